@@ -1,0 +1,232 @@
+"""Executor actor.
+
+Consumes: `call.dispatched` for the local tools it holds, from one durable consumer per
+(pool, namespace) shared by every executor process that holds that namespace, so N
+processes split the calls between them.
+Emits: `call.started`, then exactly one of `call.succeeded` / `call.failed`.
+Idempotency: `<sid>:<call_id>:terminal` is the message id of both terminal events, so two
+executors racing on one call can store only one outcome; `call.started` is keyed by
+attempt.
+Retry rule (DESIGN.md): a redelivered call that already ended is acked and skipped; one
+that started but never ended runs again only if the tool is read-only or idempotent,
+otherwise it ends `call.failed` / `interrupted`: never a silent second side effect. The
+dispatch is acked only after the terminal event is stored; while a tool runs, in-progress
+acks keep the message from being redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from actors.tool import LocalTool, ToolError, index_tools
+from bus.catalog import Catalog
+from bus.connection import Bus
+from bus.consumer import Delivery, PullLoop
+from bus.eventlog import Append, EventLog, decode_stored
+from bus.streams import MAX_EVENT_BYTES, ConsumerSpec
+from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, dispatch_filter
+from schemas.events import (
+    CallDispatched,
+    CallFailed,
+    CallStarted,
+    CallSucceeded,
+    Event,
+)
+from schemas.ids import check_namespace
+from schemas.tools import DEFAULT_POOL
+
+log = logging.getLogger("toolbus.executor")
+
+# A first delivery older than this is checked against the log too: its consumer may have
+# been re-created, and a dispatch that old may already have run.
+_STALE_DELIVERY_S = 5.0
+_MAX_RESULT_BYTES = MAX_EVENT_BYTES - 16 * 1024
+_json = msgspec.json.Encoder()
+
+
+def default_instance_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Executor:
+    def __init__(
+        self,
+        bus: Bus,
+        tools: Iterable[LocalTool],
+        *,
+        instance: str | None = None,
+        pool: str = DEFAULT_POOL,
+        ack_wait_s: float = 30.0,
+        max_in_flight: int = 64,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._bus = bus
+        self._log = EventLog(bus)
+        self._catalog = Catalog(bus)
+        self.instance = instance or default_instance_name()
+        self._pool = check_namespace(pool)
+        self._tools = index_tools(
+            LocalTool(msgspec.structs.replace(t.spec, pool=pool), t.fn) for t in tools
+        )
+        self._ack_wait_s = ack_wait_s
+        self._clock = clock
+        namespaces = sorted({t.spec.namespace for t in self._tools.values()})
+        self._loops = [
+            PullLoop(
+                bus,
+                ConsumerSpec(EVENTS_STREAM, f"exec_{pool}_{ns}",
+                             (dispatch_filter(f"{pool}.{ns}"),), ack_wait_s=ack_wait_s,
+                             max_ack_pending=4096),
+                self._on_dispatch,
+                max_in_flight=max_in_flight,
+            )
+            for ns in namespaces
+        ]
+        self.runs = 0  # calls this process executed (for stats and tests)
+
+    @property
+    def tools(self) -> dict[str, LocalTool]:
+        return self._tools
+
+    async def start(self) -> None:
+        await self._catalog.register([t.spec for t in self._tools.values()])
+        for loop in self._loops:
+            await loop.start()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
+
+    async def _append(self, event: Event, msg_id: str) -> None:
+        await self._log.append(Append(event, msg_id))
+
+    def _failed(self, d: CallDispatched, error_type: str, message: str, *,
+                retryable: bool = False, duration_ms: float = 0.0) -> CallFailed:
+        return CallFailed(session_id=d.session_id, at=self._clock(), actor="executor",
+                          call_id=d.call_id, turn_id=d.turn_id, error_type=error_type,
+                          message=message, retryable=retryable, executor=self.instance,
+                          duration_ms=duration_ms)
+
+    async def _on_dispatch(self, delivery: Delivery) -> None:
+        stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
+        dispatched = stored.event
+        if not isinstance(dispatched, CallDispatched):
+            log.error("not a call.dispatched at seq %d: %s", stored.seq, stored.error)
+            await delivery.term()
+            return
+        d = dispatched
+        terminal_id = f"{d.session_id}:{d.call_id}:terminal"
+        tool = self._tools.get(d.tool)
+        if tool is None:
+            await self._append(self._failed(
+                d, "unknown_tool", f"executor {self.instance} has no tool {d.tool}"), terminal_id)
+            await delivery.ack()
+            return
+
+        attempt = delivery.num_delivered
+        age_s = time.time() - delivery.timestamp_ns / 1e9
+        if attempt > 1 or age_s > _STALE_DELIVERY_S:
+            started, ended = await self._history(d)
+            if ended:
+                await delivery.ack()
+                return
+            if started and not tool.spec.rerunnable:
+                await self._append(self._failed(
+                    d, "interrupted",
+                    f"the executor running {d.tool} stopped before it finished; the tool is "
+                    "neither read-only nor idempotent, so it is not run again",
+                ), terminal_id)
+                await delivery.ack()
+                return
+
+        started_event = CallStarted(session_id=d.session_id, at=self._clock(), actor="executor",
+                                    call_id=d.call_id, turn_id=d.turn_id,
+                                    executor=self.instance, attempt=attempt)
+        started_id = f"{d.session_id}:{d.call_id}:started:{attempt}"
+        pending_start: asyncio.Task[None] | None = None
+        if tool.spec.rerunnable:
+            # Safe to run before `call.started` is stored: a rerun cannot hurt. Publishing
+            # it alongside saves a round trip on the hot path.
+            pending_start = asyncio.create_task(self._append(started_event, started_id))
+        else:
+            await self._append(started_event, started_id)
+
+        outcome = await self._run(d, tool, delivery)
+        if pending_start is not None:
+            await pending_start
+        await self._append(outcome, terminal_id)
+        await delivery.ack()
+
+    async def _history(self, d: CallDispatched) -> tuple[bool, bool]:
+        """(started, ended) for this call, read from the log."""
+        started = ended = False
+        events = await self._log.read_session(
+            d.session_id, subject_filter=f"{EVENTS_PREFIX}.{d.session_id}.call.>")
+        for stored in events:
+            ev = stored.event
+            if ev is None or getattr(ev, "call_id", None) != d.call_id:
+                continue
+            if isinstance(ev, CallStarted):
+                started = True
+            elif isinstance(ev, CallSucceeded | CallFailed):
+                ended = True
+        return started, ended
+
+    async def _run(self, d: CallDispatched, tool: LocalTool, delivery: Delivery) -> Event:
+        timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000
+        try:
+            tool.check_arguments(d.arguments)
+        except TypeError as exc:
+            return self._failed(d, "invalid_arguments", f"{d.tool}: {exc}")
+        heartbeat = asyncio.create_task(self._keep_alive(delivery))
+        t0 = time.perf_counter()
+        self.runs += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                result: Any = await tool.run(d.arguments)
+        except TimeoutError:
+            return self._failed(d, "timeout", f"{d.tool} did not finish within {timeout_s:g} s",
+                                retryable=True, duration_ms=_ms(t0))
+        except ToolError as exc:
+            return self._failed(d, exc.error_type, exc.message, retryable=exc.retryable,
+                                duration_ms=_ms(t0))
+        except Exception as exc:
+            return self._failed(d, type(exc).__name__, str(exc) or repr(exc),
+                                duration_ms=_ms(t0))
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+        try:
+            size = len(_json.encode(result))
+        except (TypeError, msgspec.EncodeError) as exc:
+            return self._failed(d, "result_not_serializable",
+                                f"{d.tool} returned a value that is not JSON: {exc}",
+                                duration_ms=_ms(t0))
+        if size > _MAX_RESULT_BYTES:
+            return self._failed(d, "result_too_large",
+                                f"{d.tool} returned {size} bytes; results over "
+                                f"{_MAX_RESULT_BYTES} bytes are not stored in events",
+                                duration_ms=_ms(t0))
+        return CallSucceeded(session_id=d.session_id, at=self._clock(), actor="executor",
+                             call_id=d.call_id, turn_id=d.turn_id, result=result,
+                             executor=self.instance, duration_ms=_ms(t0))
+
+    async def _keep_alive(self, delivery: Delivery) -> None:
+        interval = max(self._ack_wait_s / 3, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(Exception):
+                await delivery.in_progress()
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)

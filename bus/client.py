@@ -1,0 +1,121 @@
+"""The client side: submit requests, wait for their turn to end, read and query sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+
+from bus.connection import Bus
+from bus.eventlog import EventLog, StoredEvent, decode_stored
+from bus.headers import Header
+from bus.subjects import EVENTS_PREFIX, request_subject, state_subject
+from schemas.errors import BusError, BusTimeoutError
+from schemas.events import RequestRejected, TurnCompleted, TurnFailed
+from schemas.ids import check_session_id, turn_id_for
+from schemas.state import SessionState, decode_state
+
+TurnEnd = TurnCompleted | TurnFailed | RequestRejected
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    request_id: str
+    turn_id: str
+    duplicate: bool
+
+
+class ToolbusClient:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.log = EventLog(bus)
+
+    async def call(
+        self,
+        session_id: str,
+        calls: list[dict[str, Any]],
+        *,
+        request_id: str | None = None,
+        timeout: float = 60.0,
+    ) -> TurnEnd:
+        """Submit one request and wait (bounded) for how its turn ended."""
+        check_session_id(session_id)
+        request_id = request_id or uuid.uuid4().hex
+        turn_id = turn_id_for(request_id)
+        nc = self.bus.nc
+        ends: asyncio.Queue[StoredEvent] = asyncio.Queue(maxsize=1024)
+
+        async def on_msg(msg: Any) -> None:
+            with contextlib.suppress(asyncio.QueueFull):
+                ends.put_nowait(decode_stored(0, msg.subject, msg.data))
+
+        # Subscribe before publishing, so the end of the turn cannot slip past us.
+        subs = [
+            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.turn.*", cb=on_msg),
+            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.request.rejected", cb=on_msg),
+        ]
+        try:
+            async with asyncio.timeout(timeout):
+                body = msgspec.json.encode({"request_id": request_id, "calls": calls})
+                sub = await self.submit(session_id, body, request_id=request_id)
+                if sub.duplicate:
+                    found = await self._find_end(session_id, turn_id, request_id)
+                    if found is not None:
+                        return found
+                while True:
+                    stored = await ends.get()
+                    ev = stored.event
+                    if isinstance(ev, TurnCompleted | TurnFailed) and ev.turn_id == turn_id:
+                        return ev
+                    if isinstance(ev, RequestRejected) and ev.request_id == request_id:
+                        if ev.reason != "duplicate_request":
+                            return ev
+                        found = await self._find_end(session_id, turn_id, request_id)
+                        if found is not None:
+                            return found
+        except TimeoutError as exc:
+            raise BusTimeoutError(
+                f"no result for request {request_id} in session {session_id} within "
+                f"{timeout:g} s: is `toolbus up` (or a session actor and an executor) running?"
+            ) from exc
+        finally:
+            for s in subs:
+                with contextlib.suppress(Exception):
+                    await s.unsubscribe()
+
+    async def submit(self, session_id: str, body: bytes, *, request_id: str) -> Submitted:
+        try:
+            ack = await self.bus.js.publish(
+                request_subject(session_id), body, timeout=5.0,
+                headers={Header.MSG_ID.value: f"{session_id}:{request_id}"},
+            )
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(
+                f"no request stream on {self.bus.url}: start toolbus there with `toolbus up`"
+            ) from exc
+        return Submitted(request_id, turn_id_for(request_id), bool(ack.duplicate))
+
+    async def _find_end(self, session_id: str, turn_id: str, request_id: str) -> TurnEnd | None:
+        for stored in await self.log.read_session(session_id):
+            ev = stored.event
+            if isinstance(ev, TurnCompleted | TurnFailed) and ev.turn_id == turn_id:
+                return ev
+        return None
+
+    async def live_state(self, session_id: str, timeout: float = 5.0) -> SessionState:
+        """The session actor's in-memory state of a session."""
+        check_session_id(session_id)
+        try:
+            msg = await self.bus.nc.request(state_subject(session_id), b"", timeout=timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise BusTimeoutError(
+                f"no session actor answered for {session_id}: is `toolbus up` running?"
+            ) from exc
+        if msg.data.startswith(b'{"error"'):
+            raise BusError(msgspec.json.decode(msg.data)["error"])
+        return decode_state(msg.data)

@@ -1,0 +1,200 @@
+"""A continuous pull loop over a durable JetStream consumer.
+
+Keeps pull requests outstanding on one inbox so messages arrive as soon as they are
+stored (no fetch round trip per batch), bounds the work in flight, and optionally keeps
+messages of one key (a session) in order while different keys run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from bus.connection import Bus
+from bus.headers import Header, Status
+from bus.streams import ConsumerSpec, ensure_consumer
+
+log = logging.getLogger("toolbus.bus")
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One delivered message; the actor decides when to ack it."""
+
+    subject: str
+    data: bytes
+    stream_seq: int
+    num_delivered: int
+    timestamp_ns: int
+    _msg: Msg
+
+    async def ack(self) -> None:
+        # Fire-and-forget: a lost ack only means a redelivery, which every actor handles.
+        await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._msg.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        await self._msg.in_progress()
+
+    async def term(self) -> None:
+        await self._msg.term()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self._msg.headers or {}
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+class PullLoop:
+    def __init__(
+        self,
+        bus: Bus,
+        spec: ConsumerSpec,
+        handler: Handler,
+        *,
+        max_in_flight: int = 256,
+        key: Callable[[str], str] | None = None,
+        expires_s: float = 10.0,
+    ) -> None:
+        self._bus = bus
+        self._spec = spec
+        self._handler = handler
+        self._max = max_in_flight
+        self._key = key
+        self._expires_ns = int(expires_s * 1e9)
+        self._heartbeat_ns = int(min(expires_s / 4, 2.0) * 1e9)
+        self._outstanding = 0
+        self._in_flight = 0
+        self._tails: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._last_seen = 0.0
+        self._runner: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def start(self) -> None:
+        await ensure_consumer(self._bus, self._spec)
+        self._runner = asyncio.create_task(self._run(), name=f"pull:{self._spec.durable}")
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop pulling, then let in-flight handlers finish for up to `grace` seconds."""
+        self._stopping = True
+        self._wake.set()
+        if self._runner is not None:
+            await self._runner
+        if self._tasks:
+            _, late = await asyncio.wait(set(self._tasks), timeout=grace)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=grace)
+
+    async def _run(self) -> None:
+        nc = self._bus.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, cb=self._on_msg)
+        api = f"$JS.API.CONSUMER.MSG.NEXT.{self._spec.stream}.{self._spec.durable}"
+        loop = asyncio.get_running_loop()
+        self._last_seen = loop.time()
+        watchdog = self._heartbeat_ns / 1e9 * 3
+        try:
+            while not self._stopping:
+                now = loop.time()
+                if self._outstanding and now - self._last_seen > watchdog:
+                    # No heartbeat: the server lost our pull requests (restart, reconnect).
+                    self._outstanding = 0
+                want = self._max - self._in_flight - self._outstanding
+                if want >= max(1, self._max // 2) and nc.is_connected:
+                    req = {
+                        "batch": want,
+                        "expires": self._expires_ns,
+                        "idle_heartbeat": self._heartbeat_ns,
+                    }
+                    try:
+                        await nc.publish(api, json.dumps(req).encode(), reply=inbox)
+                        self._outstanding += want
+                        self._last_seen = now
+                    except Exception as exc:  # reconnecting: try again shortly
+                        log.debug("pull request for %s failed: %s", self._spec.durable, exc)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=watchdog / 2)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._last_seen = asyncio.get_running_loop().time()
+        hdrs = msg.headers
+        if hdrs and not msg.data and Header.STATUS.value in hdrs:
+            status = hdrs[Header.STATUS.value]
+            if status == Status.IDLE_HEARTBEAT:
+                return
+            pending = hdrs.get(Header.PENDING_MESSAGES.value)
+            if pending is not None:
+                self._outstanding = max(0, self._outstanding - int(pending))
+            elif status in (Status.REQUEST_TIMEOUT, Status.CONFLICT, Status.NOT_FOUND):
+                self._outstanding = 0
+            if status == Status.CONFLICT:
+                log.debug("%s: %s", self._spec.durable, hdrs.get(Header.DESCRIPTION.value))
+            self._wake.set()
+            return
+        self._outstanding = max(0, self._outstanding - 1)
+        if self._stopping:
+            return  # not acked: redelivered to another process after ack_wait
+        md = msg.metadata
+        delivery = Delivery(
+            subject=msg.subject,
+            data=msg.data,
+            stream_seq=md.sequence.stream,
+            num_delivered=md.num_delivered,
+            timestamp_ns=int(md.timestamp.timestamp() * 1e9) if md.timestamp else 0,
+            _msg=msg,
+        )
+        self._in_flight += 1
+        if self._key is None:
+            task = asyncio.create_task(self._handle(delivery, None))
+        else:
+            key = self._key(msg.subject)
+            prev = self._tails.get(key)
+            task = asyncio.create_task(self._handle(delivery, prev))
+            self._tails[key] = task
+            task.add_done_callback(lambda t, k=key: self._drop_tail(k, t))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _drop_tail(self, key: str, task: asyncio.Task[None]) -> None:
+        if self._tails.get(key) is task:
+            del self._tails[key]
+
+    async def _handle(self, delivery: Delivery, prev: asyncio.Task[None] | None) -> None:
+        try:
+            if prev is not None and not prev.done():
+                # Keep one key's messages in delivery order; the predecessor's outcome
+                # (even a failure) does not matter here, only that it is over.
+                await asyncio.wait([prev])
+            await self._handler(delivery)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: handler failed on %s", self._spec.durable, delivery.subject)
+            with contextlib.suppress(Exception):
+                await delivery.nak(delay=1.0)
+        finally:
+            self._in_flight -= 1
+            if self._max - self._in_flight - self._outstanding >= self._max // 2:
+                self._wake.set()

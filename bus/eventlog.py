@@ -1,0 +1,169 @@
+"""Appending events to, and reading them from, the `TOOLBUS_EVENTS` stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import nats.errors
+import nats.js.errors
+
+from bus.connection import Bus
+from bus.headers import Header, Status
+from bus.subjects import EVENTS_STREAM, event_subject, session_filter
+from schemas.errors import AppendError, BusTimeoutError, ConcurrencyError
+from schemas.events import AnyEvent, Event, decode_event, encode_event, event_type
+
+log = logging.getLogger("toolbus.bus")
+
+_WRONG_LAST_SEQUENCE = 10071
+_APPEND_ATTEMPTS = 6
+_APPEND_TIMEOUT_S = 2.0
+_READ_BATCH = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """One event to store: its deterministic message id and optional subject route."""
+
+    event: Event
+    msg_id: str
+    route: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    seq: int
+    duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    seq: int
+    subject: str
+    data: bytes
+    event: AnyEvent | None
+    error: str | None = None
+
+
+def decode_stored(seq: int, subject: str, data: bytes) -> StoredEvent:
+    try:
+        return StoredEvent(seq, subject, data, decode_event(data))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # An event this version cannot read (newer type, foreign writer): kept visible,
+        # never folded, never fatal.
+        return StoredEvent(seq, subject, data, None, str(exc))
+
+
+class EventLog:
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+
+    async def append(self, item: Append, *, expect_last: int | None = None) -> AppendResult:
+        """Store one event, idempotently; returns its stream sequence (the original one,
+        flagged `duplicate`, when the message id was already stored).
+
+        With `expect_last`, the append succeeds only if the session's last event is at
+        that sequence (`ConcurrencyError` otherwise). Timeouts and 503s are retried with
+        the same message id, so a retry can never store the fact twice.
+        """
+        event = item.event
+        subject = event_subject(event.session_id, event_type(event), item.route)
+        headers = {Header.MSG_ID.value: item.msg_id}
+        if expect_last is not None:
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value] = str(expect_last)
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value] = session_filter(
+                event.session_id
+            )
+        payload = encode_event(event)
+        delay = 0.05
+        last_error: Exception | None = None
+        for _ in range(_APPEND_ATTEMPTS):
+            try:
+                ack = await self._bus.js.publish(
+                    subject, payload, timeout=_APPEND_TIMEOUT_S, headers=headers
+                )
+                return AppendResult(int(ack.seq), bool(ack.duplicate))
+            except nats.js.errors.APIError as exc:
+                if exc.err_code == _WRONG_LAST_SEQUENCE:
+                    raise ConcurrencyError(subject, expect_last or 0, exc.description or "") from exc
+                if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+                    last_error = exc
+                else:
+                    raise AppendError(subject, f"{exc.description} (code {exc.err_code})") from exc
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.errors.ConnectionReconnectingError) as exc:
+                last_error = exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
+                                   f"{type(last_error).__name__}: {last_error}")
+
+    async def append_decision(
+        self, items: Sequence[Append], *, expect_last: int | None
+    ) -> list[AppendResult]:
+        """Store the events of one decision: the first under the concurrency check, the
+        rest pipelined once it holds. Returns their results in order."""
+        if not items:
+            return []
+        first = await self.append(items[0], expect_last=expect_last)
+        if len(items) == 1:
+            return [first]
+        rest = await asyncio.gather(*(self.append(i) for i in items[1:]))
+        return [first, *rest]
+
+    async def read_session(
+        self,
+        session_id: str,
+        *,
+        after: int = 0,
+        until: int | None = None,
+        subject_filter: str | None = None,
+        timeout: float = 10.0,
+    ) -> list[StoredEvent]:
+        """All of a session's events after stream sequence `after`, in order, by batched
+        direct gets: no consumer is created, so nothing is left behind."""
+        filt = subject_filter or session_filter(session_id)
+        out: list[StoredEvent] = []
+        start = after + 1
+        nc = self._bus.nc
+        api = f"$JS.API.DIRECT.GET.{EVENTS_STREAM}"
+        async with asyncio.timeout(timeout):
+            while True:
+                inbox = nc.new_inbox()
+                sub = await nc.subscribe(inbox)
+                try:
+                    req = {"seq": start, "next_by_subj": filt, "batch": _READ_BATCH}
+                    await nc.publish(api, json.dumps(req).encode(), reply=inbox)
+                    pending = 0
+                    got = 0
+                    while True:
+                        msg = await sub.next_msg(timeout=timeout)
+                        hdrs = msg.headers or {}
+                        status = hdrs.get(Header.STATUS.value)
+                        if status in (Status.END_OF_BATCH, Status.NOT_FOUND):
+                            break
+                        if status:
+                            raise BusTimeoutError(
+                                f"reading {filt}: server answered {status} "
+                                f"{hdrs.get(Header.DESCRIPTION.value, '')}"
+                            )
+                        seq = int(hdrs[Header.SEQUENCE.value])
+                        if until is not None and seq > until:
+                            return out
+                        out.append(decode_stored(seq, hdrs[Header.SUBJECT.value], msg.data))
+                        pending = int(hdrs.get(Header.NUM_PENDING.value, "0"))
+                        got += 1
+                        start = seq + 1
+                finally:
+                    await sub.unsubscribe()
+                if got == 0 or pending == 0:
+                    return out
+
+    async def last_sequence(self) -> int:
+        info = await self._bus.js.stream_info(EVENTS_STREAM)
+        return int(info.state.last_seq)

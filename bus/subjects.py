@@ -1,0 +1,42 @@
+"""Stream, bucket and subject names of DESIGN.md."""
+
+from __future__ import annotations
+
+from typing import Final
+
+EVENTS_STREAM: Final = "TOOLBUS_EVENTS"
+REQUESTS_STREAM: Final = "TOOLBUS_REQUESTS"
+CATALOG_BUCKET: Final = "toolbus_catalog"
+SNAPSHOTS_BUCKET: Final = "toolbus_snapshots"
+ARTIFACTS_BUCKET: Final = "toolbus_artifacts"
+
+EVENTS_PREFIX: Final = "toolbus.evt"
+REQUESTS_PREFIX: Final = "toolbus.req"
+STATE_PREFIX: Final = "toolbus.ctl.state"
+
+
+def event_subject(session_id: str, event_type: str, route: str | None = None) -> str:
+    subject = f"{EVENTS_PREFIX}.{session_id}.{event_type}"
+    return f"{subject}.{route}" if route else subject
+
+
+def session_filter(session_id: str) -> str:
+    return f"{EVENTS_PREFIX}.{session_id}.>"
+
+
+def request_subject(session_id: str) -> str:
+    return f"{REQUESTS_PREFIX}.{session_id}"
+
+
+def dispatch_filter(route: str) -> str:
+    return f"{EVENTS_PREFIX}.*.call.dispatched.{route}"
+
+
+def state_subject(session_id: str) -> str:
+    return f"{STATE_PREFIX}.{session_id}"
+
+
+def session_of(subject: str) -> str:
+    """`toolbus.evt.<sid>.…` or `toolbus.req.<sid>` -> `<sid>` (the third token)."""
+    parts = subject.split(".", 3)
+    return parts[2] if len(parts) > 2 else ""

@@ -1,0 +1,88 @@
+"""The toolbus exception tree.
+
+    ToolbusError
+    ├── InvalidIdError            a session id, namespace or tool name is not NATS-token safe
+    ├── InvalidRequestError       a request body cannot be accepted (JSON, types, size)
+    ├── ConfigError               a setting or command-line option is unusable
+    └── BusError                  anything that went wrong talking to NATS
+        ├── ConnectError          the server could not be reached
+        ├── ServerStartError      the embedded nats-server could not start
+        │   └── PortInUseError    its port is taken
+        ├── AppendError           an event could not be stored
+        │   └── ConcurrencyError  the session moved on since the writer last read it
+        └── BusTimeoutError       a bounded wait on the bus ran out
+
+A failing *tool* is never an exception on the bus: it is a `call.failed` event.
+"""
+
+from __future__ import annotations
+
+
+class ToolbusError(Exception):
+    """Root of every error toolbus raises on purpose."""
+
+
+class InvalidIdError(ToolbusError, ValueError):
+    def __init__(self, kind: str, value: object, rule: str) -> None:
+        self.kind = kind
+        self.value = value
+        self.rule = rule
+        super().__init__(f"invalid {kind} {value!r}: {rule}")
+
+
+class InvalidRequestError(ToolbusError, ValueError):
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{reason}: {message}")
+
+
+class ConfigError(ToolbusError, ValueError):
+    pass
+
+
+class BusError(ToolbusError):
+    pass
+
+
+class ConnectError(BusError):
+    def __init__(self, url: str, detail: str) -> None:
+        self.url = url
+        self.detail = detail
+        super().__init__(
+            f"cannot reach NATS at {url}: {detail}. Start one with `toolbus up`, "
+            "or point --nats / NATS_URL at a running server"
+        )
+
+
+class ServerStartError(BusError):
+    pass
+
+
+class PortInUseError(ServerStartError):
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        super().__init__(
+            f"port {port} on {host} is in use: pass --port to start the embedded server on "
+            f"another port, or use the server already there with --nats nats://{host}:{port}"
+        )
+
+
+class AppendError(BusError):
+    def __init__(self, subject: str, detail: str) -> None:
+        self.subject = subject
+        self.detail = detail
+        super().__init__(f"could not append to {subject}: {detail}")
+
+
+class ConcurrencyError(AppendError):
+    """The expected last sequence of the session did not match: re-read and re-decide."""
+
+    def __init__(self, subject: str, expected: int, detail: str) -> None:
+        self.expected = expected
+        super().__init__(subject, f"expected last session sequence {expected}; {detail}")
+
+
+class BusTimeoutError(BusError, TimeoutError):
+    pass

@@ -1,0 +1,195 @@
+"""Event types: immutable facts, JSON on the wire, one msgspec tagged struct each.
+
+Events only grow: a new field gets a default; a breaking change is a new type. Every
+event carries the session it belongs to, the time it was decided (`at`, Unix seconds,
+passed in by the caller) and the actor that decided it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    session_id: str
+    at: float
+    actor: str
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
+    error_type: str
+    message: str
+    retryable: bool = False
+
+
+OutcomeStatus = Literal["succeeded", "failed", "rejected"]
+
+
+class CallOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    call_id: str
+    tool: str
+    status: OutcomeStatus
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class TurnRequested(Event, frozen=True, tag="turn.requested"):
+    turn_id: str
+    request_id: str
+    call_ids: list[str]
+
+
+class CallRequested(Event, frozen=True, tag="call.requested"):
+    call_id: str
+    turn_id: str
+    tool: str
+    arguments: Any
+    reasoning: str | None = None
+
+
+class CallRejected(Event, frozen=True, tag="call.rejected"):
+    call_id: str
+    turn_id: str
+    tool: str
+    reason: str
+    message: str
+
+
+class CallDispatched(Event, frozen=True, tag="call.dispatched"):
+    call_id: str
+    turn_id: str
+    tool: str
+    arguments: dict[str, Any]
+    route: str
+    timeout_ms: int | None = None
+
+
+class CallStarted(Event, frozen=True, tag="call.started"):
+    call_id: str
+    turn_id: str
+    executor: str
+    attempt: int = 1
+
+
+class CallSucceeded(Event, frozen=True, tag="call.succeeded"):
+    call_id: str
+    turn_id: str
+    result: Any
+    executor: str
+    duration_ms: float = 0.0
+
+
+class CallFailed(Event, frozen=True, tag="call.failed"):
+    call_id: str
+    turn_id: str
+    error_type: str
+    message: str
+    retryable: bool = False
+    executor: str | None = None
+    duration_ms: float = 0.0
+
+
+class TurnCompleted(Event, frozen=True, tag="turn.completed"):
+    turn_id: str
+    request_id: str
+    ok: bool
+    outcomes: list[CallOutcome]
+
+
+class TurnFailed(Event, frozen=True, tag="turn.failed"):
+    turn_id: str
+    request_id: str
+    reason: str
+    message: str
+    outcomes: list[CallOutcome] = []
+
+
+class RequestRejected(Event, frozen=True, tag="request.rejected"):
+    reason: str
+    message: str
+    request_id: str | None = None
+    subject: str | None = None
+    excerpt: str | None = None
+
+
+AnyEvent = (
+    TurnRequested
+    | CallRequested
+    | CallRejected
+    | CallDispatched
+    | CallStarted
+    | CallSucceeded
+    | CallFailed
+    | TurnCompleted
+    | TurnFailed
+    | RequestRejected
+)
+
+EVENT_TYPES: Final[tuple[type[Event], ...]] = (
+    TurnRequested,
+    CallRequested,
+    CallRejected,
+    CallDispatched,
+    CallStarted,
+    CallSucceeded,
+    CallFailed,
+    TurnCompleted,
+    TurnFailed,
+    RequestRejected,
+)
+
+TERMINAL_CALL_EVENTS: Final = (CallSucceeded, CallFailed, CallRejected)
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+def event_type(event: Event) -> str:
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> AnyEvent:
+    """Decode one event; raises `msgspec.DecodeError` (or `ValidationError`) if it is not one."""
+    return _decoder.decode(data)
+
+
+def summarize(event: Event) -> str:
+    """One human line about an event, for timelines."""
+    match event:
+        case TurnRequested():
+            return f"turn {event.turn_id} (request {event.request_id}): {len(event.call_ids)} call(s)"
+        case CallRequested():
+            why = f"  reason: {event.reasoning}" if event.reasoning else ""
+            args = _encoder.encode(event.arguments).decode()
+            return f"{event.call_id} {event.tool} {_clip(args)}{why}"
+        case CallRejected():
+            return f"{event.call_id} {event.tool} rejected ({event.reason}): {_clip(event.message)}"
+        case CallDispatched():
+            return f"{event.call_id} {event.tool} -> {event.route}"
+        case CallStarted():
+            return f"{event.call_id} on {event.executor} (attempt {event.attempt})"
+        case CallSucceeded():
+            res = _encoder.encode(event.result).decode()
+            return f"{event.call_id} {_clip(res)} in {event.duration_ms:.2f} ms"
+        case CallFailed():
+            return f"{event.call_id} {event.error_type}: {_clip(event.message)}"
+        case TurnCompleted():
+            ok = sum(1 for o in event.outcomes if o.status == "succeeded")
+            return f"turn {event.turn_id}: {ok}/{len(event.outcomes)} call(s) succeeded"
+        case TurnFailed():
+            return f"turn {event.turn_id} failed ({event.reason}): {_clip(event.message)}"
+        case RequestRejected():
+            return f"request {event.request_id or '?'} rejected ({event.reason}): {_clip(event.message)}"
+    return ""
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,197 @@
+"""Session state and the reducer that folds events into it.
+
+`evolve(state, event, seq)` is the only way state changes, live and in replay, so a replay
+rebuilds the live state byte for byte (`encode_state`). The state is a mutable projection
+on purpose: copying every dict on every event would make a long session quadratic. The
+reducer itself stays pure in the sense that matters: no I/O, no clock, no ids of its own;
+the same events in the same order always give the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.events import (
+    CallDispatched,
+    CallFailed,
+    CallOutcome,
+    CallRejected,
+    CallRequested,
+    CallStarted,
+    CallSucceeded,
+    ErrorInfo,
+    Event,
+    RequestRejected,
+    TurnCompleted,
+    TurnFailed,
+    TurnRequested,
+)
+
+CallStatus = Literal["requested", "rejected", "dispatched", "running", "succeeded", "failed"]
+TurnStatus = Literal["running", "completed", "failed"]
+TERMINAL_CALL_STATUSES: frozenset[str] = frozenset({"rejected", "succeeded", "failed"})
+
+
+class CallState(msgspec.Struct, kw_only=True):
+    call_id: str
+    turn_id: str
+    tool: str
+    arguments: Any
+    status: CallStatus = "requested"
+    reasoning: str | None = None
+    attempts: int = 0
+    executor: str | None = None
+    result: Any = None
+    error: ErrorInfo | None = None
+    requested_at: float = 0.0
+    finished_at: float | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_CALL_STATUSES
+
+    def outcome(self) -> CallOutcome:
+        status: Literal["succeeded", "failed", "rejected"]
+        if self.status == "succeeded":
+            status = "succeeded"
+        elif self.status == "rejected":
+            status = "rejected"
+        else:
+            status = "failed"
+        return CallOutcome(
+            call_id=self.call_id,
+            tool=self.tool,
+            status=status,
+            result=self.result if status == "succeeded" else None,
+            error=self.error,
+        )
+
+
+class TurnState(msgspec.Struct, kw_only=True):
+    turn_id: str
+    request_id: str
+    call_ids: list[str]
+    status: TurnStatus = "running"
+    requested_at: float = 0.0
+    finished_at: float | None = None
+
+
+class SessionState(msgspec.Struct, kw_only=True):
+    session_id: str
+    last_seq: int = 0
+    event_count: int = 0
+    turns: dict[str, TurnState] = msgspec.field(default_factory=dict)
+    calls: dict[str, CallState] = msgspec.field(default_factory=dict)
+    open_turns: list[str] = msgspec.field(default_factory=list)
+    rejected_requests: int = 0
+
+
+def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
+    """Fold one stored event (at stream sequence `seq`) into `state` and return it.
+
+    Events at or below `state.last_seq` are already folded and change nothing, so
+    redelivered or re-read events are harmless.
+    """
+    if seq <= state.last_seq:
+        return state
+    state.last_seq = seq
+    state.event_count += 1
+    calls = state.calls
+    match event:
+        case TurnRequested():
+            if event.turn_id not in state.turns:
+                state.turns[event.turn_id] = TurnState(
+                    turn_id=event.turn_id,
+                    request_id=event.request_id,
+                    call_ids=list(event.call_ids),
+                    requested_at=event.at,
+                )
+                state.open_turns.append(event.turn_id)
+        case CallRequested():
+            if event.call_id not in calls:
+                calls[event.call_id] = CallState(
+                    call_id=event.call_id,
+                    turn_id=event.turn_id,
+                    tool=event.tool,
+                    arguments=event.arguments,
+                    reasoning=event.reasoning,
+                    requested_at=event.at,
+                )
+        case CallRejected():
+            call = calls.get(event.call_id)
+            if call is not None and not call.terminal:
+                call.status = "rejected"
+                call.error = ErrorInfo(error_type=event.reason, message=event.message)
+                call.finished_at = event.at
+        case CallDispatched():
+            call = calls.get(event.call_id)
+            if call is not None and call.status == "requested":
+                call.status = "dispatched"
+        case CallStarted():
+            call = calls.get(event.call_id)
+            if call is not None and not call.terminal:
+                call.status = "running"
+                call.attempts = max(call.attempts, event.attempt)
+                call.executor = event.executor
+        case CallSucceeded():
+            call = calls.get(event.call_id)
+            if call is not None and not call.terminal:
+                call.status = "succeeded"
+                call.result = event.result
+                call.executor = event.executor
+                call.finished_at = event.at
+        case CallFailed():
+            call = calls.get(event.call_id)
+            if call is not None and not call.terminal:
+                call.status = "failed"
+                call.error = ErrorInfo(
+                    error_type=event.error_type, message=event.message, retryable=event.retryable
+                )
+                if event.executor is not None:
+                    call.executor = event.executor
+                call.finished_at = event.at
+        case TurnCompleted() | TurnFailed():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None and turn.status == "running":
+                turn.status = "completed" if isinstance(event, TurnCompleted) else "failed"
+                turn.finished_at = event.at
+                if event.turn_id in state.open_turns:
+                    state.open_turns.remove(event.turn_id)
+        case RequestRejected():
+            state.rejected_requests += 1
+    return state
+
+
+def fold(session_id: str, events: Iterable[tuple[int, Event]]) -> SessionState:
+    state = SessionState(session_id=session_id)
+    for seq, event in events:
+        evolve(state, event, seq)
+    return state
+
+
+def turn_outcomes(state: SessionState, turn: TurnState) -> list[CallOutcome]:
+    return [state.calls[c].outcome() for c in turn.call_ids if c in state.calls]
+
+
+def turn_is_done(state: SessionState, turn: TurnState) -> bool:
+    """Every call of the turn has been requested and has reached a terminal status."""
+    for call_id in turn.call_ids:
+        call = state.calls.get(call_id)
+        if call is None or not call.terminal:
+            return False
+    return True
+
+
+_state_encoder = msgspec.json.Encoder(order="deterministic")
+_state_decoder = msgspec.json.Decoder(SessionState)
+
+
+def encode_state(state: SessionState) -> bytes:
+    return _state_encoder.encode(state)
+
+
+def decode_state(data: bytes) -> SessionState:
+    return _state_decoder.decode(data)

@@ -1,0 +1,1 @@
+"""Process entrypoints: the CLI, the runtime that runs actors, benchmarks."""

@@ -1,0 +1,239 @@
+"""The `toolbus` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bus.catalog import Catalog
+from bus.client import ToolbusClient
+from bus.connection import connect
+from bus.eventlog import EventLog
+from schemas.errors import ToolbusError
+from schemas.events import RequestRejected, TurnCompleted, TurnFailed, encode_event, summarize
+from schemas.ids import check_session_id
+from schemas.state import encode_state, fold
+from services.config import ActorSettings, default_data_dir, default_nats_url
+
+EXIT_OK, EXIT_CALL_FAILED, EXIT_USAGE, EXIT_BUS = 0, 1, 2, 3
+_json = msgspec.json.Encoder()
+
+
+def _add_nats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=None, metavar="URL",
+                   help="NATS server URL (default: $NATS_URL, then nats://127.0.0.1:4222)")
+
+
+def _add_actor_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tools", action="append", default=[], metavar="MODULE",
+                   help="load tools from a module name or .py file (repeatable)")
+    p.add_argument("--pool", default="default", help="executor pool name (default: default)")
+    p.add_argument("--instance", default=None, help="executor instance name (default: host-pid)")
+    p.add_argument("--ack-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds before an unacknowledged call is redelivered (default 30)")
+    p.add_argument("--max-in-flight", type=int, default=64,
+                   help="calls one executor process runs at once (default 64)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolbus", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="embedded NATS + every actor, in the foreground")
+    _add_nats(p)
+    p.add_argument("--port", type=int, default=4222, help="embedded server port (default 4222)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="embedded server data folder (default: the user data dir)")
+    _add_actor_options(p)
+
+    p = sub.add_parser("actor", help="run one actor kind alone, to scale it out")
+    p.add_argument("kind", choices=["session", "executor"])
+    _add_nats(p)
+    _add_actor_options(p)
+
+    p = sub.add_parser("call", help="call one tool and print its result")
+    p.add_argument("tool", help="namespace:tool, e.g. built-in:echo")
+    p.add_argument("arguments", nargs="?", default="{}", help="arguments as a JSON object")
+    p.add_argument("--session", default=None, help="session id (default: a new one)")
+    p.add_argument("--request-id", default=None, help="idempotency key of the request")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    _add_nats(p)
+
+    p = sub.add_parser("replay", help="a session's timeline and rebuilt state; runs no tool")
+    p.add_argument("session")
+    p.add_argument("--json", action="store_true", help="one event per line, then the state")
+    p.add_argument("--until", type=int, default=None, metavar="SEQ",
+                   help="stop after this stream sequence")
+    _add_nats(p)
+
+    p = sub.add_parser("state", help="the session actor's live state of a session, as JSON")
+    p.add_argument("session")
+    _add_nats(p)
+
+    p = sub.add_parser("tools", help="list the tool catalog; `tools show NAME` for one spec")
+    p.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    p.add_argument("name", nargs="?", default=None)
+    _add_nats(p)
+
+    p = sub.add_parser("bench", help="benchmarks against a raw JetStream baseline")
+    p.add_argument("what", choices=["calls"])
+    p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
+    p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
+    _add_nats(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    url = getattr(args, "nats", None) or default_nats_url()
+    try:
+        match args.command:
+            case "up":
+                from services.runtime import up
+                return up(nats_url=args.nats or None, data_dir=args.data_dir or default_data_dir(),
+                          port=args.port, settings=_actor_settings(args))
+            case "actor":
+                from services.runtime import run_actors
+                return asyncio.run(run_actors(url, [args.kind], _actor_settings(args),
+                                              banner=f"toolbus {args.kind} actor on {url}"))
+            case "call":
+                return asyncio.run(_call(url, args))
+            case "replay":
+                return asyncio.run(_replay(url, args))
+            case "state":
+                return asyncio.run(_state(url, args))
+            case "tools":
+                return asyncio.run(_tools(url, args))
+            case "bench":
+                from services.bench import bench_calls
+                return asyncio.run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency))
+    except ToolbusError as exc:
+        print(f"toolbus: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_USAGE
+
+
+def _actor_settings(args: argparse.Namespace) -> ActorSettings:
+    return ActorSettings(tools=tuple(args.tools), pool=args.pool, instance=args.instance,
+                         ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
+
+
+async def _call(url: str, args: argparse.Namespace) -> int:
+    try:
+        arguments: Any = msgspec.json.decode(args.arguments)
+    except msgspec.DecodeError as exc:
+        print(f"toolbus: ARGUMENTS is not valid JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    session = check_session_id(args.session) if args.session else f"cli-{uuid.uuid4().hex[:12]}"
+    bus = await connect(url, name="toolbus-call")
+    try:
+        print(f"session: {session}", file=sys.stderr)
+        end = await ToolbusClient(bus).call(
+            session, [{"tool": args.tool, "arguments": arguments}],
+            request_id=args.request_id, timeout=args.timeout)
+    finally:
+        await bus.close()
+    if isinstance(end, RequestRejected):
+        print(f"toolbus: request rejected ({end.reason}): {end.message}", file=sys.stderr)
+        return EXIT_CALL_FAILED
+    outcome = end.outcomes[0] if end.outcomes else None
+    if isinstance(end, TurnCompleted) and outcome is not None and outcome.status == "succeeded":
+        sys.stdout.write(_json.encode(outcome.result).decode() + "\n")
+        return EXIT_OK
+    if outcome is not None and outcome.error is not None:
+        print(f"toolbus: {args.tool} {outcome.status} ({outcome.error.error_type}): "
+              f"{outcome.error.message}", file=sys.stderr)
+    elif isinstance(end, TurnFailed):
+        print(f"toolbus: turn failed ({end.reason}): {end.message}", file=sys.stderr)
+    return EXIT_CALL_FAILED
+
+
+async def _replay(url: str, args: argparse.Namespace) -> int:
+    sid = check_session_id(args.session)
+    bus = await connect(url, name="toolbus-replay")
+    try:
+        stored = await EventLog(bus).read_session(sid, until=args.until)
+    finally:
+        await bus.close()
+    state = fold(sid, ((s.seq, s.event) for s in stored if s.event is not None))
+    out = sys.stdout
+    if args.json:
+        for s in stored:
+            event = s.data if s.event is None else encode_event(s.event)
+            out.write(f'{{"seq":{s.seq},"subject":{_json.encode(s.subject).decode()},'
+                      f'"event":{event.decode()}}}\n')
+        out.write(f'{{"state":{encode_state(state).decode()}}}\n')
+        return EXIT_OK
+    if not stored:
+        print(f"toolbus: session {sid} has no events", file=sys.stderr)
+        return EXIT_CALL_FAILED
+    out.write(f"session {sid}: {len(stored)} event(s)\n")
+    out.write(f"{'seq':>8}  {'time (UTC)':<26}  {'actor':<9} {'type':<18} summary\n")
+    for s in stored:
+        if s.event is None:
+            out.write(f"{s.seq:>8}  {'?':<26}  {'?':<9} {'(unreadable)':<18} {s.error}\n")
+            continue
+        ev = s.event
+        when = datetime.fromtimestamp(ev.at, UTC).isoformat(timespec="microseconds")[:26]
+        tag = type(ev).__struct_config__.tag
+        out.write(f"{s.seq:>8}  {when:<26}  {ev.actor:<9} {tag!s:<18} {summarize(ev)}\n")
+    out.write("\nstate:\n")
+    out.write(msgspec.json.format(encode_state(state).decode(), indent=2) + "\n")
+    return EXIT_OK
+
+
+async def _state(url: str, args: argparse.Namespace) -> int:
+    bus = await connect(url, name="toolbus-state")
+    try:
+        state = await ToolbusClient(bus).live_state(args.session)
+    finally:
+        await bus.close()
+    sys.stdout.write(encode_state(state).decode() + "\n")
+    return EXIT_OK
+
+
+async def _tools(url: str, args: argparse.Namespace) -> int:
+    bus = await connect(url, name="toolbus-tools")
+    try:
+        specs = await Catalog(bus).load()
+    finally:
+        await bus.close()
+    if args.action == "show":
+        if not args.name:
+            print("toolbus: tools show needs a NAME, e.g. built-in:echo", file=sys.stderr)
+            return EXIT_USAGE
+        spec = next((s for s in specs if s.name == args.name), None)
+        if spec is None:
+            print(f"toolbus: no tool named {args.name!r}; `toolbus tools` lists them",
+                  file=sys.stderr)
+            return EXIT_CALL_FAILED
+        sys.stdout.write(msgspec.json.format(_json.encode(spec).decode(), indent=2) + "\n")
+        return EXIT_OK
+    if not specs:
+        print("no tools registered: start an executor (`toolbus up`)", file=sys.stderr)
+        return EXIT_OK
+    width = max(len(s.name) for s in specs)
+    for s in specs:
+        a = s.annotations
+        flags = ",".join(f for f, on in (("read-only", a.readOnlyHint),
+                                          ("destructive", a.destructiveHint and not a.readOnlyHint),
+                                          ("idempotent", a.idempotentHint)) if on) or "-"
+        sys.stdout.write(f"{s.name:<{width}}  {flags:<24} risk={s.risk_level:<6} "
+                         f"source={s.source} pool={s.pool}\n")
+    return EXIT_OK
