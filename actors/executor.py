@@ -186,7 +186,7 @@ class Executor:
             tool.check_arguments(d.arguments)
         except TypeError as exc:
             return self._failed(d, "invalid_arguments", f"{d.tool}: {exc}")
-        heartbeat = asyncio.create_task(self._keep_alive(delivery))
+        keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
         t0 = time.perf_counter()
         self.runs += 1
         try:
@@ -202,9 +202,7 @@ class Executor:
             return self._failed(d, type(exc).__name__, str(exc) or repr(exc),
                                 duration_ms=_ms(t0))
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            keep_alive.cancel()
         try:
             size = len(_json.encode(result))
         except (TypeError, msgspec.EncodeError) as exc:
@@ -220,12 +218,27 @@ class Executor:
                              call_id=d.call_id, turn_id=d.turn_id, result=result,
                              executor=self.instance, duration_ms=_ms(t0))
 
-    async def _keep_alive(self, delivery: Delivery) -> None:
-        interval = max(self._ack_wait_s / 3, 0.05)
-        while True:
-            await asyncio.sleep(interval)
-            with contextlib.suppress(Exception):
-                await delivery.in_progress()
+
+
+class _KeepAlive:
+    """In-progress acks every `interval` while a tool runs. A timer, not a task: most
+    calls end long before the first tick, and then it costs nothing."""
+
+    def __init__(self, delivery: Delivery, interval: float) -> None:
+        self._delivery = delivery
+        self._interval = interval
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(interval, self._tick)
+        self._task: asyncio.Task[None] | None = None
+
+    def _tick(self) -> None:
+        self._task = self._loop.create_task(self._delivery.in_progress())
+        self._handle = self._loop.call_later(self._interval, self._tick)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _ms(t0: float) -> float:

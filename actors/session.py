@@ -9,8 +9,10 @@ Idempotency: every event has a deterministic message id derived from the session
 turn or call id and the fact (`<sid>:<call_id>:admission` is shared by `call.dispatched`
 and `call.rejected`, so only one of them can ever be stored). A request without a
 `request_id` gets `auto-<stream seq>`, so its redelivery maps onto the same ids.
-Retry rule: decisions are appended with the per-session concurrency check; a stale
-writer re-reads the session and decides again (bounded). Requests and events are acked
+Retry rule: decisions are appended with the per-session concurrency check on their first
+event, the rest pipelined behind it in one round trip; a stale writer re-reads the session
+and decides again (bounded). Events a failed decision may still have stored carry the
+same ids as the re-decision's, so they are deduplicated, and the reducer folds any order. Requests and events are acked
 only after what they caused is stored.
 
 State is level-triggered: after each event is folded, `decide` answers "what is due now?"
@@ -295,11 +297,18 @@ class SessionActor:
     # -- writing decisions
 
     async def _write(self, entry: _Entry, items: list[Append]) -> None:
-        """Append a decision under the concurrency check, folding it at once when it is a
-        single event (then it provably follows `last_seq`); else wait for it to come back."""
+        """Append a decision under the concurrency check, and fold it at once when that is
+        provably in order; else wait for it to come back through the consumer."""
         results = await self._log.append_decision(items, expect_last=entry.state.last_seq)
-        if len(items) == 1 and not results[0].duplicate:
-            entry.fold(results[0].seq, items[0].event)
+        seqs = [r.seq for r in results]
+        # The first event passed the check, so it directly follows `last_seq`. When the
+        # stream sequences are contiguous, nothing at all was stored between them, so the
+        # whole decision can be folded now instead of waiting for it to come back.
+        if not any(r.duplicate for r in results) and seqs == list(
+            range(seqs[0], seqs[0] + len(seqs))
+        ):
+            for r, item in zip(results, items, strict=True):
+                entry.fold(r.seq, item.event)
         else:
             entry.written_upto = max(entry.written_upto, *(r.seq for r in results))
             if not entry.is_caught_up:

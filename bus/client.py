@@ -12,7 +12,7 @@ import msgspec
 import nats.errors
 
 from bus.connection import Bus
-from bus.eventlog import EventLog, StoredEvent, decode_stored
+from bus.eventlog import EventLog, decode_stored
 from bus.headers import Header
 from bus.subjects import EVENTS_PREFIX, request_subject, state_subject
 from schemas.errors import BusError, BusTimeoutError
@@ -30,10 +30,53 @@ class Submitted:
     duplicate: bool
 
 
+class _Watcher:
+    """One subscription per session, routing turn ends to the callers waiting on them."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
+        self.subs: list[Any] = []
+
+    async def on_msg(self, msg: Any) -> None:
+        ev = decode_stored(0, msg.subject, msg.data).event
+        if isinstance(ev, TurnCompleted | TurnFailed):
+            key = ev.turn_id
+        elif isinstance(ev, RequestRejected) and ev.request_id is not None:
+            key = turn_id_for(ev.request_id)
+        else:
+            return
+        fut = self.waiting.get(key)
+        if fut is not None and not fut.done():
+            fut.set_result(ev)
+
+
 class ToolbusClient:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, *, max_watched_sessions: int = 1024) -> None:
         self.bus = bus
         self.log = EventLog(bus)
+        self._watchers: dict[str, _Watcher] = {}
+        self._max_watched = max_watched_sessions
+
+    async def _watch(self, session_id: str) -> _Watcher:
+        w = self._watchers.get(session_id)
+        if w is not None:
+            return w
+        w = _Watcher()
+        nc = self.bus.nc
+        w.subs = [
+            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.turn.*", cb=w.on_msg),
+            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.request.rejected", cb=w.on_msg),
+        ]
+        self._watchers[session_id] = w
+        if len(self._watchers) > self._max_watched:
+            for sid, old in list(self._watchers.items()):
+                if not old.waiting:
+                    del self._watchers[sid]
+                    for s in old.subs:
+                        with contextlib.suppress(Exception):
+                            await s.unsubscribe()
+                    break
+        return w
 
     async def call(
         self,
@@ -47,18 +90,10 @@ class ToolbusClient:
         check_session_id(session_id)
         request_id = request_id or uuid.uuid4().hex
         turn_id = turn_id_for(request_id)
-        nc = self.bus.nc
-        ends: asyncio.Queue[StoredEvent] = asyncio.Queue(maxsize=1024)
-
-        async def on_msg(msg: Any) -> None:
-            with contextlib.suppress(asyncio.QueueFull):
-                ends.put_nowait(decode_stored(0, msg.subject, msg.data))
-
-        # Subscribe before publishing, so the end of the turn cannot slip past us.
-        subs = [
-            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.turn.*", cb=on_msg),
-            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.request.rejected", cb=on_msg),
-        ]
+        # Watch before publishing, so the end of the turn cannot slip past us.
+        watcher = await self._watch(session_id)
+        fut: asyncio.Future[TurnEnd] = asyncio.get_running_loop().create_future()
+        watcher.waiting[turn_id] = fut
         try:
             async with asyncio.timeout(timeout):
                 body = msgspec.json.encode({"request_id": request_id, "calls": calls})
@@ -68,25 +103,28 @@ class ToolbusClient:
                     if found is not None:
                         return found
                 while True:
-                    stored = await ends.get()
-                    ev = stored.event
-                    if isinstance(ev, TurnCompleted | TurnFailed) and ev.turn_id == turn_id:
+                    ev = await fut
+                    if not (isinstance(ev, RequestRejected) and ev.reason == "duplicate_request"):
                         return ev
-                    if isinstance(ev, RequestRejected) and ev.request_id == request_id:
-                        if ev.reason != "duplicate_request":
-                            return ev
-                        found = await self._find_end(session_id, turn_id, request_id)
-                        if found is not None:
-                            return found
+                    found = await self._find_end(session_id, turn_id, request_id)
+                    if found is not None:
+                        return found
+                    fut = asyncio.get_running_loop().create_future()
+                    watcher.waiting[turn_id] = fut
         except TimeoutError as exc:
             raise BusTimeoutError(
                 f"no result for request {request_id} in session {session_id} within "
                 f"{timeout:g} s: is `toolbus up` (or a session actor and an executor) running?"
             ) from exc
         finally:
-            for s in subs:
+            watcher.waiting.pop(turn_id, None)
+
+    async def close(self) -> None:
+        for w in self._watchers.values():
+            for s in w.subs:
                 with contextlib.suppress(Exception):
                     await s.unsubscribe()
+        self._watchers.clear()
 
     async def submit(self, session_id: str, body: bytes, *, request_id: str) -> Submitted:
         try:

@@ -7,10 +7,11 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import nats.errors
-import nats.js.errors
+from nats.aio.msg import Msg
 
 from bus.connection import Bus
 from bus.headers import Header, Status
@@ -59,9 +60,70 @@ def decode_stored(seq: int, subject: str, data: bytes) -> StoredEvent:
         return StoredEvent(seq, subject, data, None, str(exc))
 
 
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, Any] | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_PubAck)
+
+
+class _UnavailableError(Exception):
+    """The stream did not answer (503): no responders, or JetStream is restarting."""
+
+
+class _Publisher:
+    """JetStream publish with acks on one wildcard inbox, matched by a counter token.
+
+    nats-py's `js.publish` draws a random token per request and parses every ack with
+    `json.loads` into a dataclass; on the hot path this does neither.
+    """
+
+    def __init__(self, bus: Bus) -> None:
+        self._nc = bus.nc
+        self._prefix = ""
+        self._next = 0
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._started: asyncio.Future[None] | None = None
+
+    async def _ensure(self) -> None:
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_future()
+            self._prefix = self._nc.new_inbox()
+            await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_ack)
+            self._started.set_result(None)
+        elif not self._started.done():
+            await self._started
+
+    async def _on_ack(self, msg: Msg) -> None:
+        fut = self._waiting.pop(msg.subject, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str],
+                      timeout: float) -> _PubAck:
+        await self._ensure()
+        self._next += 1
+        reply = f"{self._prefix}.{self._next}"
+        fut: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self._waiting[reply] = fut
+        try:
+            await self._nc.publish(subject, payload, reply=reply, headers=headers)
+            async with asyncio.timeout(timeout):
+                msg = await fut
+        finally:
+            self._waiting.pop(reply, None)
+        if not msg.data and msg.headers and msg.headers.get(Header.STATUS.value) == "503":
+            raise _UnavailableError(subject)
+        return _ack_decoder.decode(msg.data)
+
+
 class EventLog:
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
+        self._pub = _Publisher(bus)
 
     async def append(self, item: Append, *, expect_last: int | None = None) -> AppendResult:
         """Store one event, idempotently; returns its stream sequence (the original one,
@@ -84,22 +146,20 @@ class EventLog:
         last_error: Exception | None = None
         for _ in range(_APPEND_ATTEMPTS):
             try:
-                ack = await self._bus.js.publish(
-                    subject, payload, timeout=_APPEND_TIMEOUT_S, headers=headers
-                )
-                return AppendResult(int(ack.seq), bool(ack.duplicate))
-            except nats.js.errors.APIError as exc:
-                if exc.err_code == _WRONG_LAST_SEQUENCE:
-                    raise ConcurrencyError(subject, expect_last or 0, exc.description or "") from exc
-                if isinstance(exc, nats.js.errors.ServiceUnavailableError):
-                    last_error = exc
-                else:
-                    raise AppendError(subject, f"{exc.description} (code {exc.err_code})") from exc
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.errors.ConnectionReconnectingError) as exc:
+                ack = await self._pub.publish(subject, payload, headers, _APPEND_TIMEOUT_S)
+            except (TimeoutError, _UnavailableError, nats.errors.ConnectionReconnectingError,
+                    nats.errors.OutboundBufferLimitError) as exc:
                 last_error = exc
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if ack.error is None:
+                return AppendResult(ack.seq, ack.duplicate)
+            code = int(ack.error.get("err_code", 0))
+            description = str(ack.error.get("description", ""))
+            if code == _WRONG_LAST_SEQUENCE:
+                raise ConcurrencyError(subject, expect_last or 0, description)
+            raise AppendError(subject, f"{description} (code {code})")
         raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
                                    f"{type(last_error).__name__}: {last_error}")
 
@@ -110,11 +170,19 @@ class EventLog:
         rest pipelined once it holds. Returns their results in order."""
         if not items:
             return []
-        first = await self.append(items[0], expect_last=expect_last)
-        if len(items) == 1:
-            return [first]
-        rest = await asyncio.gather(*(self.append(i) for i in items[1:]))
-        return [first, *rest]
+        # All are sent at once, in order on one connection; only the first is checked.
+        # If that check fails, the others may still be stored: harmless, because a
+        # decision's events have deterministic ids and the re-decision after a re-read
+        # writes the same ids (deduplicated) and the reducer accepts either order.
+        results = await asyncio.gather(
+            self.append(items[0], expect_last=expect_last),
+            *(self.append(i) for i in items[1:]),
+            return_exceptions=True,
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return [r for r in results if isinstance(r, AppendResult)]
 
     async def read_session(
         self,

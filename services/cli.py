@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["calls"])
     p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
     p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
+    p.add_argument("--json", action="store_true", help="print one JSON report")
     _add_nats(p)
     return parser
 
@@ -108,25 +109,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                           port=args.port, settings=_actor_settings(args))
             case "actor":
                 from services.runtime import run_actors
-                return asyncio.run(run_actors(url, [args.kind], _actor_settings(args),
+                return _run(run_actors(url, [args.kind], _actor_settings(args),
                                               banner=f"toolbus {args.kind} actor on {url}"))
             case "call":
-                return asyncio.run(_call(url, args))
+                return _run(_call(url, args))
             case "replay":
-                return asyncio.run(_replay(url, args))
+                return _run(_replay(url, args))
             case "state":
-                return asyncio.run(_state(url, args))
+                return _run(_state(url, args))
             case "tools":
-                return asyncio.run(_tools(url, args))
+                return _run(_tools(url, args))
             case "bench":
                 from services.bench import bench_calls
-                return asyncio.run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency))
+                return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
+                                               json_out=args.json))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
     except KeyboardInterrupt:
         return 130
     return EXIT_USAGE
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it exists: it roughly halves the cost of each bus hop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _actor_settings(args: argparse.Namespace) -> ActorSettings:
@@ -237,3 +248,7 @@ async def _tools(url: str, args: argparse.Namespace) -> int:
         sys.stdout.write(f"{s.name:<{width}}  {flags:<24} risk={s.risk_level:<6} "
                          f"source={s.source} pool={s.pool}\n")
     return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,9 +8,9 @@ import ctypes
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from actors.builtin import BUILTINS
 from actors.executor import Executor
@@ -120,6 +120,12 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
     return exit_code
 
 
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    from services.cli import _run as run
+
+    return run(coro)
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     # Linux: the server gets SIGTERM if toolbus dies without cleaning up (e.g. SIGKILL).
     with contextlib.suppress(Exception):
@@ -130,14 +136,14 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
     kinds = list(ACTOR_KINDS)
     if nats_url:
         banner = _banner(nats_url, None, None)
-        return asyncio.run(run_actors(nats_url, kinds, settings, banner=banner))
+        return _run(run_actors(nats_url, kinds, settings, banner=banner))
     server = EmbeddedServer(data_dir, port=port)
     server.preexec = _die_with_parent if sys.platform.startswith("linux") else None
     server.start()
     try:
         assert server.process is not None
         banner = _banner(server.url, data_dir, server.process.pid)
-        return asyncio.run(run_actors(server.url, kinds, settings, server=server, banner=banner))
+        return _run(run_actors(server.url, kinds, settings, server=server, banner=banner))
     finally:
         server.stop()
 

@@ -1,0 +1,182 @@
+"""`toolbus bench`: end-to-end numbers next to the floor measured in the same run.
+
+Machines here are shared and noisy, so absolute numbers mean little alone: every run
+also measures raw JetStream publish+ack and raw core request/reply from the same client,
+and reports toolbus as a ratio of those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bus.client import ToolbusClient
+from bus.connection import Bus, connect
+from bus.server import EmbeddedServer, free_port
+from schemas.events import TurnCompleted
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    name: str
+    n: int
+    concurrency: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def per_s(self) -> float:
+        return self.n / self.seconds if self.seconds else 0.0
+
+
+async def measure(name: str, op: Callable[[int], Awaitable[None]], *, n: int,
+                  concurrency: int) -> Stats:
+    lat: list[float] = []
+    counter = iter(range(n))
+
+    async def worker() -> None:
+        for i in counter:
+            t = time.perf_counter()
+            await op(i)
+            lat.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    lat.sort()
+    return Stats(name, n, concurrency, elapsed, statistics.median(lat) * 1e3,
+                 lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3)
+
+
+@contextlib.asynccontextmanager
+async def _system(nats_url: str | None):  # type: ignore[no-untyped-def]
+    """A toolbus to measure: the given one, or an embedded server plus `toolbus up` in a
+    separate process (as users run it), torn down afterwards."""
+    if nats_url:
+        yield nats_url
+        return
+    with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
+        server = EmbeddedServer(Path(tmp), port=free_port()).start()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--nats", server.url],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+            if not line.startswith("toolbus is up"):
+                raise RuntimeError(f"toolbus up did not start: {line!r}")
+            yield server.url
+        finally:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            if proc.poll() is None:
+                proc.kill()
+            server.stop()
+
+
+async def _baselines(bus: Bus, responder: Bus, *, n: int, concurrency: int) -> list[Stats]:
+    from nats.js.api import StorageType, StreamConfig  # bench-only, not a hot path
+
+    await bus.js.add_stream(StreamConfig(name="BENCH_RAW", subjects=["bench.raw.>"],
+                                         storage=StorageType.FILE))
+    payload = b'{"text":"hi"}'
+
+    async def pub(i: int) -> None:
+        await bus.js.publish("bench.raw.x", payload)
+
+    async def on_req(msg):  # type: ignore[no-untyped-def]
+        await msg.respond(msg.data)
+
+    await responder.nc.subscribe("bench.rr", cb=on_req)
+    await responder.nc.flush()
+
+    async def req(i: int) -> None:
+        await bus.nc.request("bench.rr", payload, timeout=5)
+
+    out = [
+        await measure("raw JetStream publish+ack", pub, n=n, concurrency=1),
+        await measure("raw JetStream publish+ack", pub, n=n, concurrency=concurrency),
+        await measure("raw request/reply", req, n=n, concurrency=1),
+        await measure("raw request/reply", req, n=n, concurrency=concurrency),
+    ]
+    await bus.js.delete_stream("BENCH_RAW")
+    return out
+
+
+async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int = 32,
+                      json_out: bool = False) -> int:
+    async with _system(nats_url) as url:
+        bus = await connect(url, name="toolbus-bench")
+        responder = await connect(url, name="toolbus-bench-responder")
+        client = ToolbusClient(bus)
+        run = os.urandom(3).hex()
+        failures = 0
+
+        def echo_in(session: Callable[[int], str]) -> Callable[[int], Awaitable[None]]:
+            async def op(i: int) -> None:
+                nonlocal failures
+                end = await client.call(session(i), [{"tool": "built-in:echo",
+                                                      "arguments": {"text": "hi", "i": i}}],
+                                        timeout=30)
+                if not (isinstance(end, TurnCompleted) and end.ok):
+                    failures += 1
+            return op
+
+        try:
+            await measure("warm-up", echo_in(lambda i: f"bench-{run}-warm"), n=200, concurrency=4)
+            floor = await _baselines(bus, responder, n=n, concurrency=concurrency)
+            seq = await measure("toolbus call built-in:echo", echo_in(lambda i: f"bench-{run}-seq"),
+                                n=n, concurrency=1)
+            par = await measure("toolbus call built-in:echo",
+                                echo_in(lambda i: f"bench-{run}-p{i % concurrency}"),
+                                n=n, concurrency=concurrency)
+        finally:
+            await client.close()
+            await responder.close()
+            await bus.close()
+
+    rows = [*floor, seq, par]
+    js_seq, js_par, rr_seq, _ = floor
+    report = {
+        "rows": [{"name": r.name, "n": r.n, "concurrency": r.concurrency,
+                  "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
+                  "per_s": round(r.per_s, 1)} for r in rows],
+        "ratios": {
+            "seq_p50_vs_js_publish": round(seq.p50_ms / js_seq.p50_ms, 2),
+            "seq_p50_vs_request_reply": round(seq.p50_ms / rr_seq.p50_ms, 2),
+            "throughput_vs_js_publish": round(par.per_s / js_par.per_s, 3),
+        },
+        "failures": failures,
+    }
+    if json_out:
+        print(msgspec.json.encode(report).decode())
+    else:
+        print(f"{'measure':<30} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9}")
+        for r in rows:
+            print(f"{r.name:<30} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
+                  f"{r.per_s:>9.0f}")
+        ratios = report["ratios"]
+        assert isinstance(ratios, dict)
+        print(f"\nsequential call p50 = {ratios['seq_p50_vs_js_publish']}x one raw JetStream "
+              f"publish+ack, {ratios['seq_p50_vs_request_reply']}x one raw request/reply")
+        print(f"calls/s with {concurrency} in flight = "
+              f"{ratios['throughput_vs_js_publish']:.1%} of raw publishes/s")
+        print(f"targets: sequential p50 <= 2 ms ({'met' if seq.p50_ms <= 2 else 'MISSED'}), "
+              f">= 1000 calls/s with {concurrency} in flight "
+              f"({'met' if par.per_s >= 1000 else 'MISSED'}); failures: {failures}")
+    return 0 if failures == 0 else 1
