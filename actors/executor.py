@@ -17,7 +17,6 @@ acks keep the message from being redelivered.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket

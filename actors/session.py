@@ -12,8 +12,8 @@ and `call.rejected`, so only one of them can ever be stored). A request without 
 Retry rule: decisions are appended with the per-session concurrency check on their first
 event, the rest pipelined behind it in one round trip; a stale writer re-reads the session
 and decides again (bounded). Events a failed decision may still have stored carry the
-same ids as the re-decision's, so they are deduplicated, and the reducer folds any order. Requests and events are acked
-only after what they caused is stored.
+same ids as the re-decision's, so they are deduplicated, and the reducer folds any order.
+Requests and events are acked only after what they caused is stored.
 
 State is level-triggered: after each event is folded, `decide` answers "what is due now?"
 from the state alone, so a crash between two appends is healed by the next delivery.
@@ -365,8 +365,9 @@ class SessionActor:
                                     max_calls=self._max_calls)
         except InvalidRequestError as exc:
             rejected = RequestRejected(session_id=sid, at=now, actor=ACTOR, reason=exc.reason,
-                                       message=exc.message, request_id=_request_id_of(delivery.data),
-                                       subject=subject, excerpt=_excerpt(delivery.data))
+                                       message=exc.message, subject=subject,
+                                       request_id=_request_id_of(delivery.data),
+                                       excerpt=_excerpt(delivery.data))
             await self._log.append(Append(rejected, f"req:{delivery.stream_seq}:rejected"))
             await delivery.ack()
             return

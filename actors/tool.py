@@ -22,7 +22,7 @@ from typing import Any, get_type_hints
 
 from schemas.errors import ConfigError, ToolbusError
 from schemas.ids import split_tool_name
-from schemas.tools import DEFAULT_TIMEOUT_MS, Annotations, ToolSpec
+from schemas.tools import DEFAULT_POOL, DEFAULT_TIMEOUT_MS, Annotations, ToolSpec
 
 
 class ToolError(ToolbusError):
@@ -116,7 +116,7 @@ def tool(
                 openWorldHint=open_world,
             ),
             timeout_ms=timeout_ms,
-            **({"pool": pool} if pool else {}),
+            pool=pool or DEFAULT_POOL,
         )
         return LocalTool(spec=spec, fn=fn)
 

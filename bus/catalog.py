@@ -75,7 +75,7 @@ class Catalog:
                     self._changed.notify_all()
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()
+                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py lacks hints here
 
     def get(self, name: str) -> ToolSpec | None:
         return self._specs.get(name)

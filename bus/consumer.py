@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -173,7 +174,7 @@ class PullLoop:
             prev = self._tails.get(key)
             task = asyncio.create_task(self._handle(delivery, prev))
             self._tails[key] = task
-            task.add_done_callback(lambda t, k=key: self._drop_tail(k, t))
+            task.add_done_callback(functools.partial(self._drop_tail, key))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

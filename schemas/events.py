@@ -158,14 +158,16 @@ def encode_event(event: Event) -> bytes:
 
 def decode_event(data: bytes) -> AnyEvent:
     """Decode one event; raises `msgspec.DecodeError` (or `ValidationError`) if it is not one."""
-    return _decoder.decode(data)
+    event: AnyEvent = _decoder.decode(data)
+    return event
 
 
 def summarize(event: Event) -> str:
     """One human line about an event, for timelines."""
     match event:
         case TurnRequested():
-            return f"turn {event.turn_id} (request {event.request_id}): {len(event.call_ids)} call(s)"
+            n = len(event.call_ids)
+            return f"turn {event.turn_id} (request {event.request_id}): {n} call(s)"
         case CallRequested():
             why = f"  reason: {event.reasoning}" if event.reasoning else ""
             args = _encoder.encode(event.arguments).decode()
@@ -187,7 +189,8 @@ def summarize(event: Event) -> str:
         case TurnFailed():
             return f"turn {event.turn_id} failed ({event.reason}): {_clip(event.message)}"
         case RequestRejected():
-            return f"request {event.request_id or '?'} rejected ({event.reason}): {_clip(event.message)}"
+            rid = event.request_id or "?"
+            return f"request {rid} rejected ({event.reason}): {_clip(event.message)}"
     return ""
 
 

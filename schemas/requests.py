@@ -50,7 +50,9 @@ def parse_request(
     try:
         body = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError("malformed_json", f"request body is not valid JSON: {exc}") from exc
+        raise InvalidRequestError(
+            "malformed_json", f"request body is not valid JSON: {exc}"
+        ) from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(
             "invalid_request", f"request must be a JSON object, got {_json_type(body)}"

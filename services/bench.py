@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 
+from bus.baseline import raw_ops
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer, free_port
@@ -69,7 +70,7 @@ async def _system(nats_url: str | None):  # type: ignore[no-untyped-def]
         return
     with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
         server = EmbeddedServer(Path(tmp), port=free_port()).start()
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
             [sys.executable, "-m", "services.cli", "up", "--nats", server.url],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -90,32 +91,13 @@ async def _system(nats_url: str | None):  # type: ignore[no-untyped-def]
 
 
 async def _baselines(bus: Bus, responder: Bus, *, n: int, concurrency: int) -> list[Stats]:
-    from nats.js.api import StorageType, StreamConfig  # bench-only, not a hot path
-
-    await bus.js.add_stream(StreamConfig(name="BENCH_RAW", subjects=["bench.raw.>"],
-                                         storage=StorageType.FILE))
-    payload = b'{"text":"hi"}'
-
-    async def pub(i: int) -> None:
-        await bus.js.publish("bench.raw.x", payload)
-
-    async def on_req(msg):  # type: ignore[no-untyped-def]
-        await msg.respond(msg.data)
-
-    await responder.nc.subscribe("bench.rr", cb=on_req)
-    await responder.nc.flush()
-
-    async def req(i: int) -> None:
-        await bus.nc.request("bench.rr", payload, timeout=5)
-
-    out = [
-        await measure("raw JetStream publish+ack", pub, n=n, concurrency=1),
-        await measure("raw JetStream publish+ack", pub, n=n, concurrency=concurrency),
-        await measure("raw request/reply", req, n=n, concurrency=1),
-        await measure("raw request/reply", req, n=n, concurrency=concurrency),
-    ]
-    await bus.js.delete_stream("BENCH_RAW")
-    return out
+    async with raw_ops(bus, responder, b'{"text":"hi"}') as (publish, request):
+        return [
+            await measure("raw JetStream publish+ack", publish, n=n, concurrency=1),
+            await measure("raw JetStream publish+ack", publish, n=n, concurrency=concurrency),
+            await measure("raw request/reply", request, n=n, concurrency=1),
+            await measure("raw request/reply", request, n=n, concurrency=concurrency),
+        ]
 
 
 async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int = 32,

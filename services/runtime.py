@@ -45,7 +45,9 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
     before the session actor admits calls."""
     unknown = [k for k in kinds if k not in ACTOR_KINDS]
     if unknown:
-        raise ConfigError(f"unknown actor kind {unknown[0]!r}: choose from {', '.join(ACTOR_KINDS)}")
+        raise ConfigError(
+            f"unknown actor kind {unknown[0]!r}: choose from {', '.join(ACTOR_KINDS)}"
+        )
     started: list[Actor] = []
     if "executor" in kinds:
         executor = Executor(bus, collect_tools(settings), instance=settings.instance,

@@ -1,0 +1,122 @@
+"""Executor processes sharing one durable consumer, and SIGKILL in the middle of a call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from schemas.events import CallFailed, CallStarted, CallSucceeded, TurnCompleted
+from tests.conftest import TESTS, EventWatch, Proc, assert_replay_equals_live, of_type
+
+TOOLS = str(TESTS / "proc_toolkit.py")
+
+
+@pytest.fixture
+async def executors(nats_url: str, system) -> AsyncIterator[dict[str, Proc]]:
+    procs = {
+        name: Proc("actor", "executor", "--nats", nats_url, "--tools", TOOLS,
+                   "--instance", name, "--ack-wait", "1", ready="executor actor")
+        for name in ("ex-a", "ex-b")
+    }
+    try:
+        await asyncio.gather(*(p.wait_ready() for p in procs.values()))
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _terminal(events: list, call_id: str) -> list:
+    return [e for e in events if isinstance(e, CallSucceeded | CallFailed)
+            and e.call_id == call_id]
+
+
+async def test_two_executor_processes_share_the_calls(
+    bus: Bus, client: ToolbusClient, executors, sid: str
+) -> None:
+    ends = await asyncio.gather(*(
+        client.call(f"{sid}-{i}", [{"tool": "proc:whoami", "arguments": {"hold_s": 0.05}}],
+                    timeout=20)
+        for i in range(40)
+    ))
+    pids = {e.outcomes[0].result["pid"] for e in ends if isinstance(e, TurnCompleted)}
+    assert pids == {executors["ex-a"].pid, executors["ex-b"].pid}
+
+
+async def test_sigkill_mid_call_loses_nothing_and_never_repeats_a_side_effect(
+    bus: Bus, client: ToolbusClient, executors, sid: str, tmp_path: Path
+) -> None:
+    effects = tmp_path / "effects.txt"
+    held = asyncio.create_task(client.call(sid, [{
+        "tool": "proc:append_line",
+        "arguments": {"path": str(effects), "line": "held", "hold_s": 30},
+    }], request_id="held", timeout=30))
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: bool(of_type(evs, "call.started")))
+    victim = of_type(events, "call.started")[0].executor
+    # Other work in flight while the victim dies: it must all finish exactly once.
+    others = [asyncio.create_task(client.call(f"{sid}-o{i}", [{
+        "tool": "proc:append_line", "arguments": {"path": str(effects), "line": f"o{i}"}}],
+        timeout=30)) for i in range(10)]
+    executors[victim].kill()
+
+    end = await held
+    assert isinstance(end, TurnCompleted)
+    outcome = end.outcomes[0]
+    assert outcome.status == "failed" and outcome.error is not None
+    assert outcome.error.error_type == "interrupted"
+    for task in others:
+        other = await task
+        assert isinstance(other, TurnCompleted) and other.ok
+    lines = effects.read_text().splitlines()
+    assert sum(1 for ln in lines if ln.startswith("held ")) == 1
+    assert sorted(ln.split()[0] for ln in lines) == sorted(["held", *(f"o{i}" for i in range(10))])
+    events = await w.until(lambda evs: bool(of_type(evs, "turn.completed")))
+    assert len(_terminal(events, outcome.call_id)) == 1
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_an_idempotent_call_interrupted_by_sigkill_runs_again_elsewhere(
+    bus: Bus, client: ToolbusClient, executors, sid: str, tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs.txt"
+    call = asyncio.create_task(client.call(sid, [{
+        "tool": "proc:idempotent_hold",
+        "arguments": {"path": str(runs), "line": "run", "hold_s": 2},
+    }], timeout=30))
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: bool(of_type(evs, "call.started")))
+    victim = of_type(events, "call.started")[0].executor
+    executors[victim].kill()
+    end = await call
+    assert isinstance(end, TurnCompleted) and end.ok
+    survivor = next(n for n in executors if n != victim)
+    assert end.outcomes[0].result["pid"] == executors[survivor].pid
+    events = await w.until(lambda evs: bool(of_type(evs, "turn.completed")))
+    started = [e for e in events if isinstance(e, CallStarted)]
+    assert [s.executor for s in started] == [victim, survivor]
+    assert [s.attempt for s in started] == [1, 2]
+    assert len(_terminal(events, end.outcomes[0].call_id)) == 1
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_a_call_longer_than_ack_wait_is_kept_alive_not_redelivered(
+    bus: Bus, client: ToolbusClient, executors, sid: str, tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs.txt"
+    # ack wait is 1 s: without in-progress acks this 3 s call would be redelivered and,
+    # being idempotent, run a second time.
+    end = await client.call(sid, [{
+        "tool": "proc:idempotent_hold",
+        "arguments": {"path": str(runs), "line": "long", "hold_s": 3},
+    }], timeout=30)
+    assert isinstance(end, TurnCompleted) and end.ok
+    assert len(runs.read_text().splitlines()) == 1
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: bool(of_type(evs, "turn.completed")))
+    assert len(of_type(events, "call.started")) == 1

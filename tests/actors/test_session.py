@@ -1,0 +1,148 @@
+"""The session actor against a real server: explicit calls, every kind of bad input,
+duplicate requests, and replay equal to the live state."""
+
+from __future__ import annotations
+
+import msgspec
+
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from bus.subjects import request_subject
+from schemas.events import CallSucceeded, RequestRejected, TurnCompleted, TurnFailed
+from schemas.ids import SYSTEM_SESSION
+from tests.conftest import EventWatch, assert_replay_equals_live, of_type
+
+
+async def test_an_explicit_call_runs_and_the_turn_carries_its_result(
+    bus: Bus, client: ToolbusClient, sid: str
+) -> None:
+    end = await client.call(sid, [{"tool": "built-in:echo", "arguments": {"text": "hi"}}],
+                            timeout=10)
+    assert isinstance(end, TurnCompleted) and end.ok
+    assert end.outcomes[0].result == {"text": "hi"}
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: bool(of_type(evs, "turn.completed")))
+    tags = [type(e).__struct_config__.tag for e in events]
+    assert tags == ["turn.requested", "call.requested", "call.dispatched", "call.started",
+                    "call.succeeded", "turn.completed"]
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_a_turn_with_several_calls_completes_with_every_outcome_in_order(
+    bus: Bus, client: ToolbusClient, sid: str
+) -> None:
+    end = await client.call(sid, [
+        {"tool": "built-in:echo", "arguments": {"n": 1}},
+        {"tool": "testing:boom", "arguments": {"message": "kaput"}},
+        {"tool": "built-in:current_time", "arguments": {"timezone": "Europe/Paris"}},
+        {"tool": "built-in:echo", "arguments": {"n": 4}, "_reasoningForCall": "to check"},
+    ], timeout=10)
+    assert isinstance(end, TurnCompleted) and not end.ok
+    assert [o.status for o in end.outcomes] == ["succeeded", "failed", "succeeded", "succeeded"]
+    assert end.outcomes[1].error is not None and end.outcomes[1].error.message == "kaput"
+    assert "+01:00" in end.outcomes[2].result["time"] or "+02:00" in end.outcomes[2].result["time"]
+    state = await client.live_state(sid)
+    assert state.calls[end.outcomes[3].call_id].reasoning == "to check"
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def _publish_raw(bus: Bus, subject: str, data: bytes) -> None:
+    await bus.nc.publish(subject, data)
+    await bus.nc.flush()
+
+
+async def _rejection(bus: Bus, sid: str) -> RequestRejected:
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: bool(of_type(evs, "request.rejected")))
+    return of_type(events, "request.rejected")[-1]
+
+
+async def test_malformed_json_is_a_stored_rejection(bus: Bus, client, sid: str) -> None:
+    await _publish_raw(bus, request_subject(sid), b'{"calls": [')
+    rej = await _rejection(bus, sid)
+    assert rej.reason == "malformed_json" and "not valid JSON" in rej.message
+    assert rej.excerpt == '{"calls": ['
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_wrong_types_are_a_stored_rejection_naming_the_field(bus: Bus, client, sid) -> None:
+    await _publish_raw(bus, request_subject(sid),
+                       b'{"request_id": "r1", "calls": [{"tool": ["x"]}]}')
+    rej = await _rejection(bus, sid)
+    assert rej.reason == "invalid_request"
+    assert rej.message == "calls[0].tool must be a string, got an array"
+    assert rej.request_id == "r1"
+
+
+async def test_an_oversized_payload_is_a_stored_rejection(bus: Bus, client, sid: str) -> None:
+    big = msgspec.json.encode({"calls": [{"tool": "built-in:echo",
+                                          "arguments": {"blob": "x" * 300_000}}]})
+    await _publish_raw(bus, request_subject(sid), big)
+    rej = await _rejection(bus, sid)
+    assert rej.reason == "payload_too_large" and str(len(big)) in rej.message
+
+
+async def test_a_bad_session_id_is_a_stored_rejection_under_the_system_session(
+    bus: Bus, client, sid: str
+) -> None:
+    bad_subject = f"toolbus.req.{sid}.has.dots"
+    await _publish_raw(bus, bad_subject, b'{"calls": [{"tool": "built-in:echo"}]}')
+    async with EventWatch(bus, SYSTEM_SESSION) as w:
+        events = await w.until(lambda evs: any(
+            isinstance(e, RequestRejected) and e.subject == bad_subject for e in evs))
+    rej = next(e for e in events if isinstance(e, RequestRejected) and e.subject == bad_subject)
+    assert rej.reason == "invalid_session_id"
+    assert f"{sid}.has.dots" in rej.message and "A-Z a-z 0-9 _ -" in rej.message
+
+
+async def test_an_unknown_tool_is_a_stored_call_rejection(bus: Bus, client, sid: str) -> None:
+    end = await client.call(sid, [{"tool": "nowhere:nothing", "arguments": {}}], timeout=10)
+    assert isinstance(end, TurnFailed) and end.reason == "all_calls_rejected"
+    assert end.outcomes[0].status == "rejected"
+    assert end.outcomes[0].error is not None
+    assert "no tool named 'nowhere:nothing'" in end.outcomes[0].error.message
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_arguments_that_are_not_an_object_reject_that_call_only(
+    bus: Bus, client: ToolbusClient, sid: str
+) -> None:
+    end = await client.call(sid, [
+        {"tool": "built-in:echo", "arguments": "just a string"},
+        {"tool": "built-in:echo", "arguments": {"ok": True}},
+        {"tool": "not a tool name", "arguments": {}},
+    ], timeout=10)
+    assert isinstance(end, TurnCompleted)
+    assert [o.status for o in end.outcomes] == ["rejected", "succeeded", "rejected"]
+    assert end.outcomes[0].error.error_type == "invalid_arguments"  # type: ignore[union-attr]
+    assert "must be a JSON object, got str" in end.outcomes[0].error.message  # type: ignore[union-attr]
+    assert end.outcomes[2].error.error_type == "invalid_tool_name"  # type: ignore[union-attr]
+    await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_the_same_request_id_published_twice_runs_its_calls_once(
+    bus: Bus, client: ToolbusClient, sid: str, tmp_path
+) -> None:
+    target = tmp_path / "side-effect.txt"
+    body = msgspec.json.encode({"request_id": "order-42", "calls": [
+        {"tool": "testing:append_line", "arguments": {"path": str(target), "line": "once"}}]})
+    # A raw client without a message id: the stream cannot deduplicate, the actor must.
+    await _publish_raw(bus, request_subject(sid), body)
+    await _publish_raw(bus, request_subject(sid), body)
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: bool(of_type(evs, "turn.completed"))
+                               and bool(of_type(evs, "request.rejected")))
+    assert len(of_type(events, "turn.requested")) == 1
+    assert len(of_type(events, "call.succeeded")) == 1
+    dup = of_type(events, "request.rejected")[0]
+    assert dup.reason == "duplicate_request" and "order-42" in dup.message
+    # And through the client (with a message id): the original result comes back.
+    end = await client.call(sid, [{"tool": "testing:append_line",
+                                   "arguments": {"path": str(target), "line": "once"}}],
+                            request_id="order-42", timeout=10)
+    assert isinstance(end, TurnCompleted) and end.outcomes[0].result == {"written": "once"}
+    assert target.read_text() == "once\n"
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: len(of_type(evs, "call.succeeded")) >= 1)
+    assert len([e for e in events if isinstance(e, CallSucceeded)]) == 1
+    await assert_replay_equals_live(bus, client, sid)

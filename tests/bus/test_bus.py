@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from bus.connection import Bus, connect
+from bus.eventlog import Append, EventLog
+from bus.server import EmbeddedServer
+from bus.subjects import EVENTS_STREAM
+from schemas.errors import ConcurrencyError, ConnectError, PortInUseError
+from schemas.events import CallStarted, TurnRequested
+
+
+def _turn(sid: str, n: int) -> TurnRequested:
+    return TurnRequested(session_id=sid, at=float(n), actor="test", turn_id=f"t{n}",
+                         request_id=f"r{n}", call_ids=[])
+
+
+async def test_an_unreachable_server_is_a_prompt_error_naming_the_url() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connection refused
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError) as info:
+            await connect(f"nats://127.0.0.1:{port}", name="t", connect_timeout=1)
+    assert f"nats://127.0.0.1:{port}" in str(info.value)
+    assert "NATS_URL" in str(info.value)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_busy_port_is_a_clear_error_that_says_what_to_do(tmp_path, nats_server) -> None:
+    with pytest.raises(PortInUseError) as info:
+        EmbeddedServer(tmp_path, port=nats_server.port).start()
+    msg = str(info.value)
+    assert f"port {nats_server.port}" in msg and "--port" in msg and "--nats" in msg
+
+
+async def test_appends_are_idempotent_by_message_id(bus: Bus, sid: str) -> None:
+    log = EventLog(bus)
+    first = await log.append(Append(_turn(sid, 1), f"{sid}:x"))
+    again = await log.append(Append(_turn(sid, 1), f"{sid}:x"))
+    assert again.duplicate and again.seq == first.seq
+    assert len(await log.read_session(sid)) == 1
+
+
+async def test_a_stale_writer_gets_a_concurrency_error(bus: Bus, sid: str) -> None:
+    log = EventLog(bus)
+    a = await log.append(Append(_turn(sid, 1), f"{sid}:1"), expect_last=0)
+    await log.append(Append(_turn(sid, 2), f"{sid}:2"), expect_last=a.seq)
+    with pytest.raises(ConcurrencyError):
+        await log.append(Append(_turn(sid, 3), f"{sid}:3"), expect_last=a.seq)
+    # The check is per session: another session's events do not make this one stale.
+    await log.append(Append(_turn(f"{sid}-other", 1), f"{sid}-o:1"))
+    events = await log.read_session(sid)
+    await log.append(Append(_turn(sid, 4), f"{sid}:4"), expect_last=events[-1].seq)
+
+
+async def test_reading_a_session_is_ordered_complete_and_leaves_no_consumer(
+    bus: Bus, sid: str
+) -> None:
+    log = EventLog(bus)
+    n = 1300  # more than two read batches
+    await asyncio.gather(*(
+        log.append(Append(CallStarted(session_id=sid, at=float(i), actor="t", call_id=f"c{i}",
+                                      turn_id="t", executor="x"), f"{sid}:{i}"))
+        for i in range(n)
+    ))
+    await log.append(Append(_turn(f"{sid}-noise", 1), f"{sid}-noise"))
+    before = (await bus.js.stream_info(EVENTS_STREAM)).state.consumer_count
+    events = await log.read_session(sid)
+    assert len(events) == n
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    assert {e.event.call_id for e in events} == {f"c{i}" for i in range(n)}  # type: ignore[union-attr]
+    until = events[9].seq
+    assert len(await log.read_session(sid, until=until)) == 10
+    assert (await bus.js.stream_info(EVENTS_STREAM)).state.consumer_count == before
+
+
+async def test_reading_an_unknown_session_is_empty(bus: Bus) -> None:
+    assert await EventLog(bus).read_session("never-used") == []

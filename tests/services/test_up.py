@@ -1,0 +1,130 @@
+"""`toolbus up` as users run it: a subprocess with its own embedded server and data dir."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import nats
+
+from bus.server import free_port
+from tests.conftest import Proc, run_toolbus
+
+
+def _replay_json(url: str, sid: str) -> list[dict]:
+    out = run_toolbus("replay", sid, "--json", "--nats", url)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+async def _raw_client_call(url: str, sid: str) -> list[dict]:
+    """What any NATS client in any language does: publish JSON, watch the events."""
+    nc = await nats.connect(url)
+    got: list[dict] = []
+    done = asyncio.Event()
+
+    async def on_event(msg) -> None:
+        got.append(json.loads(msg.data))
+        if got[-1]["type"] == "turn.completed":
+            done.set()
+
+    await nc.subscribe(f"toolbus.evt.{sid}.>", cb=on_event)
+    await nc.publish(f"toolbus.req.{sid}", json.dumps(
+        {"calls": [{"tool": "built-in:echo", "arguments": {"from": "raw"}}]}).encode())
+    async with asyncio.timeout(10):
+        await done.wait()
+    await nc.close()
+    return got
+
+
+async def test_toolbus_up_serves_cli_and_raw_clients_and_survives_a_server_kill(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    data = tmp_path / "data"
+    up = Proc("up", "--port", str(port), "--data-dir", str(data), ready="stop:")
+    try:
+        banner = await up.wait_ready()
+        assert f"on {url}" in banner and "toolbus call built-in:echo" in banner
+        server_pid = int(re.search(r"nats-server \(pid (\d+)\)", banner).group(1))  # type: ignore[union-attr]
+
+        out = run_toolbus("call", "built-in:echo", '{"text": "hi"}', "--session", "demo",
+                          "--nats", url)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == '{"text":"hi"}\n'
+        assert "session: demo" in out.stderr
+
+        raw = await _raw_client_call(url, "raw1")
+        assert [e["type"] for e in raw] == ["turn.requested", "call.requested",
+                                           "call.dispatched", "call.started",
+                                           "call.succeeded", "turn.completed"]
+        assert raw[-1]["outcomes"][0]["result"] == {"from": "raw"}
+
+        bad = run_toolbus("call", "nowhere:tool", "{}", "--session", "demo", "--nats", url)
+        assert bad.returncode == 1 and "no tool named 'nowhere:tool'" in bad.stderr
+        bad_json = run_toolbus("call", "built-in:echo", "{oops", "--nats", url)
+        assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
+        failed = run_toolbus("call", "built-in:current_time", '{"timezone": "No/Where"}',
+                             "--nats", url)
+        assert failed.returncode == 1 and "invalid_timezone" in failed.stderr
+
+        tools = run_toolbus("tools", "--nats", url)
+        assert "built-in:echo" in tools.stdout and "built-in:current_time" in tools.stdout
+        show = run_toolbus("tools", "show", "built-in:current_time", "--nats", url)
+        assert json.loads(show.stdout)["parameters"]["properties"]["timezone"]["type"] == "string"
+
+        timeline = run_toolbus("replay", "demo", "--nats", url)
+        assert timeline.returncode == 0
+        assert "call.succeeded" in timeline.stdout and "turn.failed" in timeline.stdout
+        assert "state:" in timeline.stdout
+
+        before = {sid: _replay_json(url, sid) for sid in ("demo", "raw1")}
+        for sid, lines in before.items():
+            live = run_toolbus("state", sid, "--nats", url)
+            assert json.loads(live.stdout) == lines[-1]["state"], f"replay != live for {sid}"
+        first_two = _replay_json_until(url, "demo", before["demo"][1]["seq"])
+        assert len(first_two) == 3 and first_two[-1]["state"]["event_count"] == 2
+
+        os.kill(server_pid, signal.SIGKILL)
+        assert await asyncio.to_thread(up.proc.wait, 20) == 1
+        assert "embedded nats-server exited" in up.proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        up.stop()
+
+    again = Proc("up", "--port", str(port), "--data-dir", str(data), ready="stop:")
+    try:
+        await again.wait_ready()
+        for sid, lines in before.items():
+            assert _replay_json(url, sid) == lines, f"session {sid} changed across the restart"
+        out = run_toolbus("call", "built-in:echo", '{"after": "restart"}', "--session", "demo",
+                          "--nats", url)
+        assert out.stdout == '{"after":"restart"}\n'
+    finally:
+        assert again.stop(signal.SIGINT) == 0
+
+
+def _replay_json_until(url: str, sid: str, seq: int) -> list[dict]:
+    out = run_toolbus("replay", sid, "--json", "--until", str(seq), "--nats", url)
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_call_without_a_server_says_how_to_start_one() -> None:
+    out = run_toolbus("call", "built-in:echo", "--nats", f"nats://127.0.0.1:{free_port()}")
+    assert out.returncode == 3
+    assert "cannot reach NATS" in out.stderr and "toolbus up" in out.stderr
+
+
+def test_up_on_a_busy_port_says_what_to_do(nats_server, tmp_path: Path) -> None:
+    out = run_toolbus("up", "--port", str(nats_server.port), "--data-dir", str(tmp_path))
+    assert out.returncode == 3
+    assert "is in use" in out.stderr and "--port" in out.stderr
+
+
+def test_a_bad_session_id_is_refused_before_anything_is_sent(nats_url: str) -> None:
+    out = run_toolbus("call", "built-in:echo", "--session", "no.dots", "--nats", nats_url)
+    assert out.returncode == 2 and "invalid session id 'no.dots'" in out.stderr
