@@ -119,6 +119,10 @@ class ToolbusClient:
         finally:
             watcher.waiting.pop(turn_id, None)
 
+    @property
+    def watched_sessions(self) -> list[str]:
+        return list(self._watchers)
+
     async def close(self) -> None:
         for w in self._watchers.values():
             for s in w.subs:

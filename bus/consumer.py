@@ -112,11 +112,16 @@ class PullLoop:
         loop = asyncio.get_running_loop()
         self._last_seen = loop.time()
         watchdog = self._heartbeat_ns / 1e9 * 3
+        reconnects = nc.stats["reconnects"]
         try:
             while not self._stopping:
                 now = loop.time()
-                if self._outstanding and now - self._last_seen > watchdog:
-                    # No heartbeat: the server lost our pull requests (restart, reconnect).
+                if nc.stats["reconnects"] != reconnects:
+                    # Pull requests die with the connection: ask again at once.
+                    reconnects = nc.stats["reconnects"]
+                    self._outstanding = 0
+                elif self._outstanding and now - self._last_seen > watchdog:
+                    # No heartbeat: the server lost our pull requests.
                     self._outstanding = 0
                 want = self._max - self._in_flight - self._outstanding
                 if want >= max(1, self._max // 2) and nc.is_connected:
@@ -133,7 +138,7 @@ class PullLoop:
                         log.debug("pull request for %s failed: %s", self._spec.durable, exc)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=watchdog / 2)
+                    await asyncio.wait_for(self._wake.wait(), timeout=min(watchdog / 2, 0.5))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

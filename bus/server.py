@@ -119,15 +119,16 @@ class EmbeddedServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc = self.process
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-        if proc.stderr is not None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        if proc.stderr is not None and not proc.stderr.closed:
             proc.stderr.close()
 
     def _tail(self) -> str:

@@ -74,8 +74,11 @@ async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
 
 @pytest.fixture
 async def client(bus: Bus, system: dict[str, Any]) -> AsyncIterator[ToolbusClient]:
-    c = ToolbusClient(bus)
+    c = ToolbusClient(bus, max_watched_sessions=100_000)
     yield c
+    # Every session a test drove through the client: the replay rebuilds the live state.
+    for session_id in c.watched_sessions:
+        await assert_replay_equals_live(bus, c, session_id)
     await c.close()
 
 

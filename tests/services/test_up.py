@@ -128,3 +128,32 @@ def test_up_on_a_busy_port_says_what_to_do(nats_server, tmp_path: Path) -> None:
 def test_a_bad_session_id_is_refused_before_anything_is_sent(nats_url: str) -> None:
     out = run_toolbus("call", "built-in:echo", "--session", "no.dots", "--nats", nats_url)
     assert out.returncode == 2 and "invalid session id 'no.dots'" in out.stderr
+
+
+async def test_actors_ride_out_a_restart_of_an_external_nats_server(tmp_path: Path) -> None:
+    from bus.server import EmbeddedServer
+
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    server = EmbeddedServer(tmp_path / "nats", port=port).start()
+    up = Proc("up", "--nats", url, ready="stop:")
+    try:
+        await up.wait_ready()
+        first = run_toolbus("call", "built-in:echo", '{"n": 1}', "--session", "ride", "--nats", url)
+        assert first.stdout == '{"n":1}\n'
+        assert server.process is not None
+        server.process.kill()
+        server.process.wait(10)
+        server.stop()
+        server = EmbeddedServer(tmp_path / "nats", port=port).start()
+        # No restart of toolbus: its actors reconnect and pull again.
+        second = run_toolbus("call", "built-in:echo", '{"n": 2}', "--session", "ride",
+                             "--nats", url, "--timeout", "20")
+        assert second.returncode == 0, second.stderr
+        assert second.stdout == '{"n":2}\n'
+        events = _replay_json(url, "ride")
+        assert [e["event"]["type"] for e in events[:-1]].count("turn.completed") == 2
+        assert json.loads(run_toolbus("state", "ride", "--nats", url).stdout) == events[-1]["state"]
+    finally:
+        assert up.stop() == 0
+        server.stop()
