@@ -398,6 +398,9 @@ class SessionActor:
                 except ConcurrencyError:
                     await self._reread(entry)
                     continue
+                # What the request made due at once (a turn whose calls were all
+                # rejected ends now), in case its events were folded right away.
+                await self._decide_and_write(entry)
                 break
         else:
             # Never silently dropped: left unacked, it is redelivered and tried again.
