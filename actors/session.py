@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
@@ -418,10 +420,6 @@ class SessionActor:
         async with entry.lock:
             return encode_state(entry.state)
 
-    def cached_state(self, sid: str) -> SessionState | None:
-        entry = self._cache.get(sid)
-        return entry.state if entry else None
-
 
 def _excerpt(data: bytes, limit: int = 200) -> str:
     text = data[:limit].decode("utf-8", errors="replace")
@@ -429,8 +427,6 @@ def _excerpt(data: bytes, limit: int = 200) -> str:
 
 
 def _request_id_of(data: bytes) -> str | None:
-    import msgspec
-
     try:
         body = msgspec.json.decode(data[:DEFAULT_MAX_REQUEST_BYTES])
     except (msgspec.DecodeError, ValueError):

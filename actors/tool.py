@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -161,5 +161,3 @@ def index_tools(tools: Iterable[LocalTool]) -> dict[str, LocalTool]:
         out[t.spec.name] = t
     return out
 
-
-ToolRunner = Callable[[dict[str, Any]], Awaitable[Any]]

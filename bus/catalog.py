@@ -27,7 +27,6 @@ class Catalog:
         self._specs: dict[str, ToolSpec] = {}
         self._watch_task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
-        self._changed = asyncio.Condition()
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
@@ -71,8 +70,6 @@ class Catalog:
                         continue
                     self._specs[spec.name] = spec
                 self._ready.set()
-                async with self._changed:
-                    self._changed.notify_all()
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py lacks hints here
@@ -82,15 +79,6 @@ class Catalog:
 
     def all(self) -> list[ToolSpec]:
         return sorted(self._specs.values(), key=lambda s: s.name)
-
-    async def wait_for(self, name: str, timeout: float = 5.0) -> ToolSpec | None:
-        """The spec of `name`, waiting up to `timeout` for it to be registered."""
-        try:
-            async with asyncio.timeout(timeout), self._changed:
-                await self._changed.wait_for(lambda: name in self._specs)
-        except TimeoutError:
-            return None
-        return self._specs.get(name)
 
     async def load(self) -> list[ToolSpec]:
         """A one-shot read of every spec, for CLI listing without a watcher."""

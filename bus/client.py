@@ -99,14 +99,14 @@ class ToolbusClient:
                 body = msgspec.json.encode({"request_id": request_id, "calls": calls})
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
-                    found = await self._find_end(session_id, turn_id, request_id)
+                    found = await self._find_end(session_id, turn_id)
                     if found is not None:
                         return found
                 while True:
                     ev = await fut
                     if not (isinstance(ev, RequestRejected) and ev.reason == "duplicate_request"):
                         return ev
-                    found = await self._find_end(session_id, turn_id, request_id)
+                    found = await self._find_end(session_id, turn_id)
                     if found is not None:
                         return found
                     fut = asyncio.get_running_loop().create_future()
@@ -142,7 +142,7 @@ class ToolbusClient:
             ) from exc
         return Submitted(request_id, turn_id_for(request_id), bool(ack.duplicate))
 
-    async def _find_end(self, session_id: str, turn_id: str, request_id: str) -> TurnEnd | None:
+    async def _find_end(self, session_id: str, turn_id: str) -> TurnEnd | None:
         for stored in await self.log.read_session(session_id):
             ev = stored.event
             if isinstance(ev, TurnCompleted | TurnFailed) and ev.turn_id == turn_id:

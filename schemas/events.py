@@ -140,8 +140,6 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     RequestRejected,
 )
 
-TERMINAL_CALL_EVENTS: Final = (CallSucceeded, CallFailed, CallRejected)
-
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)
 

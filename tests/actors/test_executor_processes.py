@@ -31,6 +31,19 @@ async def executors(nats_url: str, system) -> AsyncIterator[dict[str, Proc]]:
             p.stop()
 
 
+def _has_line(path: Path, prefix: str) -> bool:
+    return path.exists() and any(ln.startswith(prefix) for ln in path.read_text().splitlines())
+
+
+async def _until_file_has(path: Path, prefix: str, timeout: float = 10.0) -> None:
+    # A file written by another process signals nothing we can await: poll it, bounded.
+    for _ in range(int(timeout / 0.01)):
+        if _has_line(path, prefix):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{path} never got a line starting {prefix!r}")
+
+
 def _terminal(events: list, call_id: str) -> list:
     return [e for e in events if isinstance(e, CallSucceeded | CallFailed)
             and e.call_id == call_id]
@@ -59,6 +72,9 @@ async def test_sigkill_mid_call_loses_nothing_and_never_repeats_a_side_effect(
     async with EventWatch(bus, sid) as w:
         events = await w.until(lambda evs: bool(of_type(evs, "call.started")))
     victim = of_type(events, "call.started")[0].executor
+    # `call.started` is stored before a non-idempotent tool runs; kill only once the side
+    # effect has happened, which is the case this test is about.
+    await _until_file_has(effects, "held ")
     # Other work in flight while the victim dies: it must all finish exactly once.
     others = [asyncio.create_task(client.call(f"{sid}-o{i}", [{
         "tool": "proc:append_line", "arguments": {"path": str(effects), "line": f"o{i}"}}],
