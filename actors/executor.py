@@ -17,8 +17,10 @@ acks keep the message from being redelivered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -26,13 +28,13 @@ from typing import Any
 
 import msgspec
 
-from actors.tool import LocalTool, ToolError, index_tools
+from actors.tool import LocalTool, ResourceScope, ToolError, index_tools, with_pool
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, EventLog, decode_stored
 from bus.streams import MAX_EVENT_BYTES, ConsumerSpec
-from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, dispatch_filter
+from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, EXECUTORS_TTL_S, dispatch_filter
 from schemas.events import (
     CallDispatched,
     CallFailed,
@@ -41,7 +43,8 @@ from schemas.events import (
     Event,
 )
 from schemas.ids import check_namespace
-from schemas.tools import DEFAULT_POOL
+from schemas.tools import DEFAULT_POOL, ExecutorInfo, instance_route, pool_route
+from schemas.validation import Validator, describe
 
 log = logging.getLogger("toolbus.executor")
 
@@ -53,7 +56,8 @@ _json = msgspec.json.Encoder()
 
 
 def default_instance_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:100]
+    return f"{host}-{os.getpid()}"
 
 
 class Executor:
@@ -71,26 +75,36 @@ class Executor:
         self._bus = bus
         self._log = EventLog(bus)
         self._catalog = Catalog(bus)
-        self.instance = instance or default_instance_name()
+        self.instance = check_namespace(instance or default_instance_name())
         self._pool = check_namespace(pool)
-        self._tools = index_tools(
-            LocalTool(msgspec.structs.replace(t.spec, pool=pool), t.fn) for t in tools
-        )
+        self._tools = index_tools(with_pool(t, pool) for t in tools)
+        self._outputs = {name: Validator(t.spec.output) for name, t in self._tools.items()
+                         if t.spec.output is not None}
+        self._resources = ResourceScope(self._tools.values())
         self._ack_wait_s = ack_wait_s
         self._clock = clock
+        self._started_at = clock()
         namespaces = sorted({t.spec.namespace for t in self._tools.values()})
-        self._loops = [
-            PullLoop(
-                bus,
-                ConsumerSpec(EVENTS_STREAM, f"exec_{pool}_{ns}",
-                             (dispatch_filter(f"{pool}.{ns}"),), ack_wait_s=ack_wait_s,
-                             max_ack_pending=4096),
-                self._on_dispatch,
-                max_in_flight=max_in_flight,
-            )
-            for ns in namespaces
-        ]
+        # One shared consumer per (pool, namespace): the processes of a pool split its
+        # calls. One consumer per (instance, namespace) takes the calls that name this
+        # instance with `_instance`; it is removed an hour after the instance is gone.
+        specs = [ConsumerSpec(EVENTS_STREAM, f"exec_{pool}_{ns}",
+                              (dispatch_filter(pool_route(pool, ns)),),
+                              ack_wait_s=ack_wait_s, max_ack_pending=4096)
+                 for ns in namespaces]
+        specs += [ConsumerSpec(EVENTS_STREAM, f"exec_instance_{self.instance}_{ns}",
+                               (dispatch_filter(instance_route(self.instance, ns)),),
+                               ack_wait_s=ack_wait_s, max_ack_pending=4096,
+                               inactive_threshold_s=3600.0)
+                  for ns in namespaces]
+        self._loops = [PullLoop(bus, spec, self._on_dispatch, max_in_flight=max_in_flight)
+                       for spec in specs]
+        self._heartbeat: asyncio.Task[None] | None = None
         self.runs = 0  # calls this process executed (for stats and tests)
+
+    @property
+    def pool(self) -> str:
+        return self._pool
 
     @property
     def tools(self) -> dict[str, LocalTool]:
@@ -98,11 +112,39 @@ class Executor:
 
     async def start(self) -> None:
         await self._catalog.register([t.spec for t in self._tools.values()])
-        for loop in self._loops:
-            await loop.start()
+        await self._resources.__aenter__()
+        try:
+            for loop in self._loops:
+                await loop.start()
+            await self._announce()
+        except BaseException:
+            await self._resources.__aexit__(None, None, None)
+            raise
+        self._heartbeat = asyncio.create_task(self._keep_announcing(), name="executor-announce")
 
     async def stop(self, grace: float = 10.0) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        with contextlib.suppress(Exception):  # best effort: the entry expires anyway
+            await self._catalog.retire(self.instance)
         await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
+        await self._resources.__aexit__(None, None, None)
+
+    async def _announce(self) -> None:
+        await self._catalog.announce(ExecutorInfo(
+            instance=self.instance, pool=self._pool, tools=sorted(self._tools),
+            host=socket.gethostname(), pid=os.getpid(), started_at=self._started_at))
+
+    async def _keep_announcing(self) -> None:
+        while True:
+            await asyncio.sleep(EXECUTORS_TTL_S / 3)
+            try:
+                await self._announce()
+            except Exception as exc:  # a NATS outage: try again next tick
+                log.warning("executor %s: could not refresh its presence: %s",
+                            self.instance, exc)
 
     async def _append(self, event: Event, msg_id: str) -> None:
         await self._log.append(Append(event, msg_id))
@@ -190,7 +232,7 @@ class Executor:
         self.runs += 1
         try:
             async with asyncio.timeout(timeout_s):
-                result: Any = await tool.run(d.arguments)
+                result: Any = await tool.run(d.arguments, self._resources.values)
         except TimeoutError:
             return self._failed(d, "timeout", f"{d.tool} did not finish within {timeout_s:g} s",
                                 retryable=True, duration_ms=_ms(t0))
@@ -208,6 +250,13 @@ class Executor:
             return self._failed(d, "result_not_serializable",
                                 f"{d.tool} returned a value that is not JSON: {exc}",
                                 duration_ms=_ms(t0))
+        validator = self._outputs.get(d.tool)
+        if validator is not None:
+            violations = validator.violations(result)
+            if violations:
+                return self._failed(d, "output_invalid",
+                                    describe(violations, f"result of {d.tool}"),
+                                    duration_ms=_ms(t0))
         if size > _MAX_RESULT_BYTES:
             return self._failed(d, "result_too_large",
                                 f"{d.tool} returned {size} bytes; results over "

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -71,14 +71,30 @@ from schemas.requests import (
     parse_request,
 )
 from schemas.state import SessionState, encode_state, evolve, turn_is_done, turn_outcomes
-from schemas.tools import ToolSpec
+from schemas.tools import instance_route
+from schemas.validation import CompiledTools, describe
 
 log = logging.getLogger("toolbus.session")
 
 ACTOR = "session"
 _DECIDE_ATTEMPTS = 8
 
-SpecLookup = Callable[[str], ToolSpec | None]
+InstanceLookup = Callable[[str], "frozenset[str] | None"]
+
+
+class CallLike(Protocol):
+    @property
+    def tool(self) -> str: ...
+    @property
+    def arguments(self) -> Any: ...
+    @property
+    def delegate(self) -> str | None: ...
+    @property
+    def instance(self) -> str | None: ...
+
+
+def _no_instances(name: str) -> frozenset[str] | None:
+    return None
 
 
 # --- pure decisions -------------------------------------------------------------------
@@ -88,13 +104,18 @@ def admit(
     session_id: str,
     call_id: str,
     turn_id: str,
-    tool: str,
-    arguments: Any,
-    lookup: SpecLookup,
+    call: CallLike,
+    tools: CompiledTools,
     *,
     now: float,
+    instances: InstanceLookup = _no_instances,
 ) -> CallDispatched | CallRejected:
-    """Dispatch a requested call to its executors, or reject it saying what was wrong."""
+    """Dispatch a requested call to its executors, or reject it saying what was wrong.
+
+    The arguments are checked against the tool's JSON Schema here, before anything runs;
+    the dispatched arguments have the schema's defaults filled in.
+    """
+    tool = call.tool
 
     def reject(reason: str, message: str) -> CallRejected:
         return CallRejected(session_id=session_id, at=now, actor=ACTOR, call_id=call_id,
@@ -104,18 +125,42 @@ def admit(
         split_tool_name(tool)
     except InvalidIdError as exc:
         return reject("invalid_tool_name", str(exc))
-    spec = lookup(tool)
-    if spec is None:
+    compiled = tools.get(tool)
+    if compiled is None:
         return reject("unknown_tool",
                       f"no tool named {tool!r} is registered; `toolbus tools` lists them")
+    spec = compiled.spec
+    arguments = call.arguments
     if not isinstance(arguments, dict):
         kind = "an array" if isinstance(arguments, list) else type(arguments).__name__
         if arguments is None:
             kind = "null"
         return reject("invalid_arguments",
                       f"arguments of {tool} must be a JSON object, got {kind}")
+    if compiled.args is None:
+        return reject("invalid_tool_schema", compiled.error or f"{tool} has no usable schema")
+    arguments, violations = compiled.args.check(arguments)
+    if violations:
+        return reject("invalid_arguments", describe(violations, f"arguments of {tool}"))
+    if call.delegate is not None and call.delegate not in spec.pools:
+        return reject("unknown_pool",
+                      f"_delegate {call.delegate!r}: {tool} runs in pool(s) "
+                      f"{', '.join(spec.pools)}; start an executor with --pool "
+                      f"{call.delegate} that has this tool to use that pool")
+    if call.instance is not None:
+        held = instances(call.instance)
+        if held is None:
+            return reject("unknown_instance",
+                          f"_instance {call.instance!r}: no live executor has that name; "
+                          "`toolbus executors` lists them")
+        if tool not in held:
+            return reject("unknown_instance",
+                          f"_instance {call.instance!r} does not have the tool {tool}")
+        route = instance_route(call.instance, spec.namespace)
+    else:
+        route = spec.route(call.delegate)
     return CallDispatched(session_id=session_id, at=now, actor=ACTOR, call_id=call_id,
-                          turn_id=turn_id, tool=tool, arguments=arguments, route=spec.route,
+                          turn_id=turn_id, tool=tool, arguments=arguments, route=route,
                           timeout_ms=spec.timeout_ms)
 
 
@@ -125,7 +170,8 @@ def admission_append(event: CallDispatched | CallRejected) -> Append:
 
 
 def accept_request(
-    state: SessionState, request: Request, request_id: str, lookup: SpecLookup, *, now: float
+    state: SessionState, request: Request, request_id: str, tools: CompiledTools, *,
+    now: float, instances: InstanceLookup = _no_instances,
 ) -> list[Append]:
     """The events that accept a new request: the turn, its calls, and their admission."""
     sid = state.session_id
@@ -138,14 +184,17 @@ def accept_request(
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,
                                         turn_id=turn_id, tool=call.tool,
-                                        arguments=call.arguments, reasoning=call.reasoning),
+                                        arguments=call.arguments, reasoning=call.reasoning,
+                                        output_path=call.output_path, delegate=call.delegate,
+                                        instance=call.instance),
                           f"{sid}:{call_id}:requested"))
         admissions.append(admission_append(
-            admit(sid, call_id, turn_id, call.tool, call.arguments, lookup, now=now)))
+            admit(sid, call_id, turn_id, call, tools, now=now, instances=instances)))
     return out + admissions
 
 
-def decide(state: SessionState, lookup: SpecLookup, *, now: float) -> list[Append]:
+def decide(state: SessionState, tools: CompiledTools, *, now: float,
+           instances: InstanceLookup = _no_instances) -> list[Append]:
     """What is due now for this session: admit calls left requested, end finished turns."""
     sid = state.session_id
     out: list[Append] = []
@@ -169,8 +218,8 @@ def decide(state: SessionState, lookup: SpecLookup, *, now: float) -> list[Appen
         for call_id in turn.call_ids:
             call = state.calls.get(call_id)
             if call is not None and call.status == "requested":
-                out.append(admission_append(admit(sid, call_id, turn_id, call.tool,
-                                                  call.arguments, lookup, now=now)))
+                out.append(admission_append(admit(sid, call_id, turn_id, call, tools, now=now,
+                                                  instances=instances)))
     return out
 
 
@@ -213,6 +262,7 @@ class SessionActor:
         self._bus = bus
         self._log = EventLog(bus)
         self._catalog = catalog
+        self._tools = CompiledTools(catalog.get)
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
@@ -320,7 +370,8 @@ class SessionActor:
         for _ in range(_DECIDE_ATTEMPTS):
             if not entry.is_caught_up:
                 return  # the writes that are coming back will trigger the next decision
-            items = decide(entry.state, self._catalog.get, now=self._clock())
+            items = decide(entry.state, self._tools, now=self._clock(),
+                           instances=self._catalog.instance_tools)
             if not items:
                 return
             try:
@@ -393,7 +444,8 @@ class SessionActor:
                         await self._log.append(
                             Append(rejected, f"req:{delivery.stream_seq}:rejected"))
                         break
-                items = accept_request(entry.state, request, request_id, self._catalog.get,
+                items = accept_request(entry.state, request, request_id, self._tools,
+                                       instances=self._catalog.instance_tools,
                                        now=now)
                 try:
                     await self._write(entry, items)

@@ -1,7 +1,33 @@
-"""Local tools: a spec plus the Python callable that runs it.
+"""The Python tool SDK: a decorator on a typed function.
 
-    @tool("shop:add_to_cart", read_only=False, idempotent=False, timeout_ms=5_000)
-    async def add_to_cart(item: str, qty: int = 1) -> dict: ...
+    from typing import Annotated
+    from pydantic import BaseModel, Field
+    from actors.tool import ToolError, resource, tool, uses
+
+    class Ticket(BaseModel):
+        id: int
+        title: str
+
+    @resource
+    async def tracker():                       # set up once per executor, closed at stop
+        async with httpx.AsyncClient(base_url="https://tracker") as client:
+            yield client
+
+    @tool("tickets:create", idempotent=False, risk_level="medium", timeout_ms=5_000)
+    async def create(title: Annotated[str, Field(max_length=200)], priority: int = 3,
+                     *, client: httpx.AsyncClient = uses(tracker)) -> Ticket:
+        '''Open a ticket.
+
+        Args:
+            title: one line saying what is wrong.
+            priority: 1 (urgent) to 5.
+        '''
+
+The parameters' JSON Schema is generated from the type hints by pydantic (models,
+`Literal`, `Annotated[..., Field(...)]`, defaults), the result schema (`_output`) from the
+return annotation, the description from the docstring, and each parameter's description
+from its `Args:` entry. Parameters whose default is `uses(resource)` are not part of the
+schema: the executor injects them. Sync functions run in a worker thread.
 
 A module of tools is loaded into an executor with `toolbus actor executor --tools MODULE`
 (a dotted module name or a path to a .py file); every `LocalTool` at its top level, and
@@ -11,18 +37,33 @@ every item of a `TOOLS` list in it, is registered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
+import types
+import typing
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_type_hints
+
+import msgspec
+import pydantic
+import pydantic_core
 
 from schemas.errors import ConfigError, ToolbusError
 from schemas.ids import split_tool_name
-from schemas.tools import DEFAULT_POOL, DEFAULT_TIMEOUT_MS, Annotations, ToolSpec
+from schemas.tools import (
+    DEFAULT_POOL,
+    DEFAULT_TIMEOUT_MS,
+    RISK_LEVELS,
+    Annotations,
+    RiskLevel,
+    ToolSpec,
+)
 
 
 class ToolError(ToolbusError):
@@ -36,95 +77,322 @@ class ToolError(ToolbusError):
 
 
 ToolFn = Callable[..., Any]
-_signatures: dict[ToolFn, inspect.Signature] = {}
+
+
+# --- resources (stateful tools) ----------------------------------------------------------
+
+
+class Resource:
+    """Something tools share, opened once when the executor starts and closed when it
+    stops: a client, a connection pool. The factory is an async or sync generator function
+    (code after `yield` is the clean-up), a function returning a context manager, or a
+    plain function returning the value."""
+
+    def __init__(self, factory: Callable[[], Any], name: str | None = None) -> None:
+        self.factory = factory
+        self.name = name or getattr(factory, "__qualname__", repr(factory))
+
+    def __repr__(self) -> str:
+        return f"Resource({self.name})"
+
+    async def enter(self, stack: contextlib.AsyncExitStack) -> Any:
+        f = self.factory
+        if inspect.isasyncgenfunction(f):
+            return await stack.enter_async_context(contextlib.asynccontextmanager(f)())
+        if inspect.isgeneratorfunction(f):
+            return stack.enter_context(contextlib.contextmanager(f)())
+        value = f()
+        if inspect.isawaitable(value):
+            value = await value
+        if isinstance(value, contextlib.AbstractAsyncContextManager):
+            return await stack.enter_async_context(value)
+        if isinstance(value, contextlib.AbstractContextManager):
+            return stack.enter_context(value)
+        return value
+
+
+def resource(factory: Callable[[], Any]) -> Resource:
+    return Resource(factory)
 
 
 @dataclass(frozen=True, slots=True)
+class _Uses:
+    resource: Resource
+
+
+def uses(res: Resource) -> Any:
+    """Default value of a keyword parameter the executor fills with an open resource."""
+    if not isinstance(res, Resource):
+        raise TypeError(f"uses() takes a @resource, got {res!r}")
+    return _Uses(res)
+
+
+class ResourceScope:
+    """The open resources of one executor: `async with ResourceScope(tools) as scope`."""
+
+    def __init__(self, tools: Iterable[LocalTool]) -> None:
+        self._needed: list[Resource] = []
+        for t in tools:
+            for res in t.injected.values():
+                if res not in self._needed:
+                    self._needed.append(res)
+        self._stack = contextlib.AsyncExitStack()
+        self.values: dict[Resource, Any] = {}
+
+    async def __aenter__(self) -> ResourceScope:
+        try:
+            for res in self._needed:
+                self.values[res] = await res.enter(self._stack)
+        except Exception as exc:
+            await self._stack.aclose()
+            raise ConfigError(f"resource {res.name} failed to open: {exc!r}") from exc
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.values.clear()
+        await self._stack.aclose()
+
+
+# --- local tools -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class LocalTool:
     spec: ToolSpec
     fn: ToolFn
+    injected: dict[str, Resource] = field(default_factory=dict)
+    # Set when some parameter is not plain JSON (a pydantic model, a datetime...): the
+    # arguments go through this model first. Plain tools skip pydantic entirely.
+    args_model: type[pydantic.BaseModel] | None = None
+    result_adapter: pydantic.TypeAdapter[Any] | None = None
 
     def check_arguments(self, arguments: dict[str, Any]) -> None:
         """Raise `TypeError` if the function cannot take these arguments."""
-        sig = _signatures.get(self.fn)
-        if sig is None:
-            sig = _signatures[self.fn] = inspect.signature(self.fn)
-        sig.bind(**arguments)
+        _signature(self.fn).bind(**arguments, **dict.fromkeys(self.injected))
 
-    async def run(self, arguments: dict[str, Any]) -> Any:
+    async def run(self, arguments: dict[str, Any],
+                  resources: dict[Resource, Any] | None = None) -> Any:
+        kwargs = arguments
+        if self.args_model is not None:
+            model = self.args_model.model_validate(arguments)
+            kwargs = {k: getattr(model, k) for k in type(model).model_fields}
+        if self.injected:
+            if resources is None:
+                raise ConfigError(f"{self.spec.name} needs resources; run it in an executor")
+            kwargs = kwargs | {p: resources[r] for p, r in self.injected.items()}
         if inspect.iscoroutinefunction(self.fn):
-            return await self.fn(**arguments)
-        # Sync tools run in a worker thread so one slow tool never blocks the loop. A
-        # thread cannot be killed: on timeout the call fails and the thread is abandoned.
-        result = await asyncio.to_thread(self.fn, **arguments)
-        if inspect.isawaitable(result):
-            return await result
+            result = await self.fn(**kwargs)
+        else:
+            # Sync tools run in a worker thread so one slow tool never blocks the loop. A
+            # thread cannot be killed: on timeout the call fails and the thread is left.
+            result = await asyncio.to_thread(self.fn, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        try:
+            if self.result_adapter is not None:
+                return self.result_adapter.dump_python(result, mode="json")
+            if isinstance(result, pydantic.BaseModel):
+                return result.model_dump(mode="json")
+        except pydantic_core.PydanticSerializationError as exc:
+            raise ToolError(f"{self.spec.name} returned a value that is not JSON: {exc}",
+                            error_type="result_not_serializable") from exc
         return result
 
 
-_JSON_TYPES: dict[Any, str] = {
-    str: "string", int: "integer", float: "number", bool: "boolean",
-    dict: "object", list: "array",
-}
+_signatures: dict[ToolFn, inspect.Signature] = {}
 
 
-def _parameters_from_signature(fn: ToolFn) -> dict[str, Any]:
-    hints = get_type_hints(fn)
-    props: dict[str, Any] = {}
-    required: list[str] = []
-    for name, param in inspect.signature(fn).parameters.items():
+def _signature(fn: ToolFn) -> inspect.Signature:
+    sig = _signatures.get(fn)
+    if sig is None:
+        sig = _signatures[fn] = inspect.signature(fn)
+    return sig
+
+
+_PLAIN = (str, int, float, bool, type(None), dict, list, Any)
+
+
+def _is_plain(tp: Any) -> bool:
+    """True when a JSON value that passed the schema can be handed over unchanged."""
+    if tp in _PLAIN or tp is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _is_plain(typing.get_args(tp)[0])
+    if origin is Literal:
+        return True
+    if origin in (typing.Union, types.UnionType, list, dict):
+        return all(_is_plain(a) for a in typing.get_args(tp))
+    return False
+
+
+_ARGS_SECTION = re.compile(r"^\s*(Args|Arguments|Parameters):\s*$", re.MULTILINE)
+_ARG_LINE = re.compile(r"^\s+(\w+)\s*(?:\([^)]*\))?:\s*(.+)$")
+
+
+def _split_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """(description, {param: description}) from a Google-style docstring."""
+    m = _ARGS_SECTION.search(doc)
+    if not m:
+        return doc.strip(), {}
+    head, rest = doc[:m.start()].strip(), doc[m.end():]
+    params: dict[str, str] = {}
+    current: str | None = None
+    for line in rest.splitlines():
+        if line.strip() and not line.startswith((" ", "\t")):
+            break  # the next section (Returns:, Raises:) starts at the margin
+        am = _ARG_LINE.match(line)
+        indent = len(line) - len(line.lstrip())
+        if am and (current is None or indent <= _indent_of(rest, current)):
+            current = am.group(1)
+            params[current] = am.group(2).strip()
+        elif current and line.strip():
+            params[current] += " " + line.strip()
+    return head, params
+
+
+def _indent_of(text: str, name: str) -> int:
+    for line in text.splitlines():
+        if line.strip().startswith(f"{name}:") or line.strip().startswith(f"{name} ("):
+            return len(line) - len(line.lstrip())
+    return 0
+
+
+def _strip_titles(schema: Any, top: bool = True) -> Any:
+    """pydantic titles every property ("Item", "Qty"): noise in an LLM's prompt."""
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k == "title" and isinstance(v, str) and not top:
+                continue
+            if k == "properties" and isinstance(v, dict):
+                out[k] = {pk: _strip_titles(pv, False) for pk, pv in v.items()}
+            else:
+                out[k] = _strip_titles(v, False)
+        return out
+    if isinstance(schema, list):
+        return [_strip_titles(x, False) for x in schema]
+    return schema
+
+
+def _build(fn: ToolFn, name: str) -> tuple[dict[str, Any], dict[str, Resource],
+                                           type[pydantic.BaseModel] | None, str]:
+    try:
+        hints = get_type_hints(fn, include_extras=True)
+    except Exception as exc:
+        raise ConfigError(f"{name}: cannot resolve the type hints of {fn.__qualname__}: "
+                          f"{exc}") from exc
+    description, arg_docs = _split_docstring(inspect.getdoc(fn) or "")
+    fields: dict[str, Any] = {}
+    injected: dict[str, Resource] = {}
+    plain = True
+    for pname, param in _signature(fn).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        schema: dict[str, Any] = {}
-        json_type = _JSON_TYPES.get(hints.get(name))
-        if json_type:
-            schema["type"] = json_type
-        if param.default is inspect.Parameter.empty:
-            required.append(name)
+        if isinstance(param.default, _Uses):
+            injected[pname] = param.default.resource
+            continue
+        if pname.startswith("_"):
+            raise ConfigError(f"{name}: parameter {pname} starts with '_', which marks "
+                              "meta-fields in a tool schema; rename it")
+        tp = hints.get(pname, Any)
+        plain = plain and _is_plain(tp)
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        if pname in arg_docs:
+            fields[pname] = (tp, pydantic.Field(default, description=arg_docs[pname]))
         else:
-            schema["default"] = param.default
-        props[name] = schema
-    out: dict[str, Any] = {"type": "object", "properties": props}
-    if required:
-        out["required"] = required
-    return out
+            fields[pname] = (tp, default)
+    try:
+        model = pydantic.create_model(f"{name}:arguments", **fields)
+        schema = model.model_json_schema()
+    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError,
+            TypeError) as exc:
+        raise ConfigError(f"{name}: cannot make a JSON Schema of its parameters: {exc}") from exc
+    schema = _strip_titles(schema)
+    schema.pop("title", None)
+    schema.setdefault("properties", {})
+    schema["additionalProperties"] = False
+    return schema, injected, (None if plain else model), description
+
+
+def _output_schema(fn: ToolFn, name: str) -> tuple[dict[str, Any] | None,
+                                                     pydantic.TypeAdapter[Any] | None]:
+    ret = get_type_hints(fn, include_extras=True).get("return", Any)
+    if ret is Any or ret is type(None) or ret is None:
+        return None, None
+    try:
+        adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ret)
+        schema = _strip_titles(adapter.json_schema(mode="serialization"))
+    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError,
+            TypeError) as exc:
+        raise ConfigError(f"{name}: cannot make a JSON Schema of its result: {exc}") from exc
+    return schema, (None if _is_plain(ret) else adapter)
 
 
 def tool(
     name: str,
     *,
     description: str | None = None,
+    title: str | None = None,
     read_only: bool = False,
     destructive: bool | None = None,
     idempotent: bool = False,
     open_world: bool = True,
+    risk_level: RiskLevel | None = None,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    requires_approval: bool = False,
     parameters: dict[str, Any] | None = None,
+    output: dict[str, Any] | None = None,
     pool: str | None = None,
+    source: str | None = None,
 ) -> Callable[[ToolFn], LocalTool]:
-    split_tool_name(name)
+    """Make a function a tool. `destructive` defaults to `not read_only`; `risk_level` to
+    low for read-only tools, medium otherwise. `parameters` / `output` replace the
+    generated schemas when given."""
+    try:
+        split_tool_name(name)
+    except ToolbusError as exc:
+        raise ConfigError(str(exc)) from exc
+    if risk_level is not None and risk_level not in RISK_LEVELS:
+        raise ConfigError(f"{name}: risk_level must be one of low, medium, high")
+    if timeout_ms <= 0:
+        raise ConfigError(f"{name}: timeout_ms must be positive")
 
     def wrap(fn: ToolFn) -> LocalTool:
+        gen_params, injected, args_model, doc = _build(fn, name)
+        gen_output, adapter = _output_schema(fn, name)
         spec = ToolSpec(
             name=name,
-            description=description if description is not None else inspect.getdoc(fn) or "",
-            parameters=parameters or _parameters_from_signature(fn),
+            title=title,
+            description=description if description is not None else doc,
+            parameters=parameters if parameters is not None else gen_params,
+            output=output if output is not None else gen_output,
             annotations=Annotations(
                 readOnlyHint=read_only,
                 destructiveHint=(not read_only) if destructive is None else destructive,
                 idempotentHint=idempotent,
                 openWorldHint=open_world,
             ),
+            risk_level=risk_level or ("low" if read_only else "medium"),
             timeout_ms=timeout_ms,
-            pool=pool or DEFAULT_POOL,
+            requires_approval=requires_approval,
+            source=source or f"python:{fn.__module__}",
+            pools=[pool or DEFAULT_POOL],
         )
-        return LocalTool(spec=spec, fn=fn)
+        return LocalTool(spec=spec, fn=fn, injected=injected, args_model=args_model,
+                         result_adapter=adapter)
 
     return wrap
 
 
+def with_pool(t: LocalTool, pool: str) -> LocalTool:
+    return LocalTool(msgspec.structs.replace(t.spec, pools=[pool]), t.fn, t.injected,
+                     t.args_model, t.result_adapter)
+
+
 def load_tools(target: str) -> list[LocalTool]:
     """Import a module (dotted name or .py path) and collect its tools."""
+    source: str | None = None
     try:
         if target.endswith(".py") or "/" in target:
             path = Path(target).resolve()
@@ -137,6 +405,7 @@ def load_tools(target: str) -> list[LocalTool]:
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module
             spec.loader.exec_module(module)
+            source = f"python:{path.name}"
         else:
             module = importlib.import_module(target)
     except ImportError as exc:
@@ -150,6 +419,9 @@ def load_tools(target: str) -> list[LocalTool]:
             f"--tools {target}: the module defines no tools; decorate functions with "
             "@actors.tool.tool(...)"
         )
+    if source is not None:
+        found = [LocalTool(msgspec.structs.replace(t.spec, source=source), t.fn, t.injected,
+                           t.args_model, t.result_adapter) for t in found]
     return found
 
 
@@ -161,3 +433,6 @@ def index_tools(tools: Iterable[LocalTool]) -> dict[str, LocalTool]:
         out[t.spec.name] = t
     return out
 
+
+__all__ = ["LocalTool", "Resource", "ResourceScope", "ToolError", "index_tools", "load_tools",
+           "resource", "tool", "uses", "with_pool"]

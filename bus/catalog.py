@@ -1,56 +1,67 @@
-"""The tool catalog: specs in the `toolbus_catalog` KV bucket, watched into memory."""
+"""The tool catalog (`toolbus_catalog`) and the live executor instances
+(`toolbus_executors`), both KV buckets watched into memory.
+
+Registration is compare-and-set: a name registered by another source is a
+`ToolConflictError`, never a silent overwrite; the same source registering again (a second
+executor process, another pool) merges its pools into the entry.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import msgspec
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from bus.connection import Bus
-from bus.subjects import CATALOG_BUCKET
+from bus.subjects import CATALOG_BUCKET, EXECUTORS_BUCKET
+from schemas.errors import ToolConflictError
 from schemas.ids import catalog_key
-from schemas.tools import ToolSpec, decode_spec, encode_spec
+from schemas.tools import ExecutorInfo, ToolSpec, decode_spec, encode_spec
 
 log = logging.getLogger("toolbus.bus")
 
+# Entries written before sources were tracked say "local"; they may be taken over.
+_LEGACY_SOURCE = "local"
+_CAS_ATTEMPTS = 20
 
-class Catalog:
-    """A live, in-memory view of the catalog bucket (after `start`), plus registration."""
+T = TypeVar("T")
 
-    def __init__(self, bus: Bus) -> None:
+
+class _WatchedBucket(Generic[T]):
+    """A live, in-memory copy of one KV bucket, keyed by KV key."""
+
+    def __init__(self, bus: Bus, bucket: str, decode: Callable[[bytes], T]) -> None:
         self._bus = bus
+        self._bucket_name = bucket
+        self._decode = decode
         self._kv: KeyValue | None = None
-        self._specs: dict[str, ToolSpec] = {}
-        self._watch_task: asyncio.Task[None] | None = None
+        self.items: dict[str, T] = {}
+        self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
-    async def _bucket(self) -> KeyValue:
+    async def bucket(self) -> KeyValue:
         if self._kv is None:
-            self._kv = await self._bus.js.key_value(CATALOG_BUCKET)
+            self._kv = await self._bus.js.key_value(self._bucket_name)
         return self._kv
 
-    async def register(self, specs: list[ToolSpec]) -> None:
-        kv = await self._bucket()
-        for spec in specs:
-            await kv.put(catalog_key(spec.name), encode_spec(spec))
-            self._specs[spec.name] = spec
-
-    async def start(self, timeout: float = 10.0) -> None:
-        kv = await self._bucket()
+    async def start(self, timeout: float) -> None:
+        kv = await self.bucket()
         watcher = await kv.watchall()
-        self._watch_task = asyncio.create_task(self._watch(watcher), name="catalog-watch")
+        self._task = asyncio.create_task(self._watch(watcher), name=f"watch-{self._bucket_name}")
         async with asyncio.timeout(timeout):
             await self._ready.wait()
 
     async def stop(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        if self._task is not None:
+            self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+                await self._task
 
     async def _watch(self, watcher: KeyValue.KeyWatcher) -> None:
         try:
@@ -58,39 +69,166 @@ class Catalog:
                 if entry is None:  # end of the initial values
                     self._ready.set()
                     continue
-                if entry.operation in ("DEL", "PURGE") or entry.value is None:
-                    name = next((n for n in self._specs if catalog_key(n) == entry.key), None)
-                    if name is not None:
-                        self._specs.pop(name, None)
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    self.items.pop(entry.key, None)
                 else:
                     try:
-                        spec = decode_spec(entry.value)
+                        self.items[entry.key] = self._decode(entry.value)
                     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        log.warning("catalog entry %s is unreadable: %s", entry.key, exc)
+                        log.warning("%s entry %s is unreadable: %s",
+                                    self._bucket_name, entry.key, exc)
                         continue
-                    self._specs[spec.name] = spec
                 self._ready.set()
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py lacks hints here
 
+
+_executor_decoder = msgspec.json.Decoder(ExecutorInfo)
+_encoder = msgspec.json.Encoder()
+
+
+class Catalog:
+    """Tool specs and live executors (after `start`), plus registration."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._specs = _WatchedBucket(bus, CATALOG_BUCKET, decode_spec)
+        self._executors = _WatchedBucket(bus, EXECUTORS_BUCKET, _executor_decoder.decode)
+        self._local: dict[str, ToolSpec] = {}
+
+    async def register(self, specs: list[ToolSpec]) -> None:
+        """Register specs, or raise `ToolConflictError` before writing any of them if one
+        name belongs to another source."""
+        kv = await self._specs.bucket()
+        for spec in specs:
+            await self._check_free(kv, spec)
+        for spec in specs:
+            self._local[spec.name] = await self._register_one(kv, spec)
+
+    async def _current(self, kv: KeyValue, key: str) -> tuple[ToolSpec | None, int | None]:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:  # also KeyDeletedError
+            return None, None
+        if not entry.value:
+            return None, entry.revision
+        try:
+            return decode_spec(entry.value), entry.revision
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("catalog entry %s is unreadable; replacing it", key)
+            return None, entry.revision
+
+    async def _check_free(self, kv: KeyValue, spec: ToolSpec) -> None:
+        old, _ = await self._current(kv, catalog_key(spec.name))
+        if old is not None and old.source not in (spec.source, _LEGACY_SOURCE):
+            raise ToolConflictError(spec.name, old.source, spec.source)
+
+    async def _register_one(self, kv: KeyValue, spec: ToolSpec) -> ToolSpec:
+        key = catalog_key(spec.name)
+        for _ in range(_CAS_ATTEMPTS):
+            old, revision = await self._current(kv, key)
+            if old is not None and old.source not in (spec.source, _LEGACY_SOURCE):
+                raise ToolConflictError(spec.name, old.source, spec.source)
+            merged = spec
+            if old is not None and old.source == spec.source:
+                pools = sorted(set(old.pools) | set(spec.pools))
+                merged = msgspec.structs.replace(spec, pools=pools)
+                if merged == old:
+                    return merged
+            data = encode_spec(merged)
+            try:
+                if revision is None:
+                    await kv.create(key, data)
+                else:
+                    await kv.update(key, data, last=revision)
+                return merged
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue  # someone registered at the same moment: read again
+        raise ToolConflictError(spec.name, "a concurrent registration", spec.source)
+
+    async def remove(self, name: str) -> bool:
+        kv = await self._specs.bucket()
+        old, _ = await self._current(kv, catalog_key(name))
+        if old is None:
+            return False
+        await kv.delete(catalog_key(name))
+        return True
+
+    # -- executor instances
+
+    async def announce(self, info: ExecutorInfo) -> None:
+        kv = await self._executors.bucket()
+        await kv.put(info.instance, _encoder.encode(info))
+
+    async def retire(self, instance: str) -> None:
+        kv = await self._executors.bucket()
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            await kv.delete(instance)
+
+    def instance_tools(self, instance: str) -> frozenset[str] | None:
+        info = self._executors.items.get(instance)
+        return None if info is None else frozenset(info.tools)
+
+    def executors(self) -> list[ExecutorInfo]:
+        return sorted(self._executors.items.values(), key=lambda i: i.instance)
+
+    # -- reading
+
+    async def start(self, timeout: float = 10.0) -> None:
+        await self._specs.start(timeout)
+        await self._executors.start(timeout)
+
+    async def stop(self) -> None:
+        await self._specs.stop()
+        await self._executors.stop()
+
     def get(self, name: str) -> ToolSpec | None:
-        return self._specs.get(name)
+        spec = self._specs.items.get(_key_or_none(name) or "")
+        return spec if spec is not None and spec.name == name else None
 
     def all(self) -> list[ToolSpec]:
-        return sorted(self._specs.values(), key=lambda s: s.name)
+        return sorted(self._specs.items.values(), key=lambda s: s.name)
 
     async def load(self) -> list[ToolSpec]:
         """A one-shot read of every spec, for CLI listing without a watcher."""
-        kv = await self._bucket()
+        kv = await self._specs.bucket()
         try:
             keys = await kv.keys()
         except nats.js.errors.NoKeysError:
             return []
         specs = []
         for key in keys:
+            spec, _ = await self._current(kv, key)
+            if spec is not None:
+                specs.append(spec)
+        return sorted(specs, key=lambda s: s.name)
+
+    async def load_executors(self) -> list[ExecutorInfo]:
+        kv = await self._executors.bucket()
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        out = []
+        for key in keys:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
                 entry = await kv.get(key)
                 if entry.value:
-                    specs.append(decode_spec(entry.value))
-        return sorted(specs, key=lambda s: s.name)
+                    out.append(_executor_decoder.decode(entry.value))
+        return sorted(out, key=lambda i: i.instance)
+
+
+_key_cache: dict[str, str | None] = {}
+
+
+def _key_or_none(name: str) -> str | None:
+    """`ns:tool` -> `ns.tool`, or None for a name that is not one (cached: hot path)."""
+    key = _key_cache.get(name)
+    if key is None and name not in _key_cache:
+        try:
+            key = catalog_key(name)
+        except ValueError:
+            key = None
+        if len(_key_cache) < 100_000:
+            _key_cache[name] = key
+    return key

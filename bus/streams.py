@@ -26,6 +26,8 @@ from bus.subjects import (
     CATALOG_BUCKET,
     EVENTS_PREFIX,
     EVENTS_STREAM,
+    EXECUTORS_BUCKET,
+    EXECUTORS_TTL_S,
     REQUESTS_PREFIX,
     REQUESTS_STREAM,
     SNAPSHOTS_BUCKET,
@@ -96,6 +98,11 @@ async def provision(bus: Bus) -> None:
             except nats.js.errors.BucketNotFoundError:
                 await bus.js.create_key_value(bucket=bucket, history=1)
         try:
+            await bus.js.key_value(EXECUTORS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            await bus.js.create_key_value(bucket=EXECUTORS_BUCKET, history=1,
+                                          ttl=EXECUTORS_TTL_S)
+        try:
             await bus.js.object_store(ARTIFACTS_BUCKET)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
             await bus.js.create_object_store(bucket=ARTIFACTS_BUCKET)
@@ -114,6 +121,7 @@ class ConsumerSpec:
     filter_subjects: tuple[str, ...]
     ack_wait_s: float = 30.0
     max_ack_pending: int = 1024
+    inactive_threshold_s: float | None = None  # None: kept until deleted
 
 
 async def ensure_consumer(bus: Bus, spec: ConsumerSpec) -> None:
@@ -125,6 +133,7 @@ async def ensure_consumer(bus: Bus, spec: ConsumerSpec) -> None:
         max_deliver=-1,
         max_ack_pending=spec.max_ack_pending,
         max_waiting=512,
+        inactive_threshold=spec.inactive_threshold_s,
         **(
             {"filter_subject": spec.filter_subjects[0]}
             if len(spec.filter_subjects) == 1

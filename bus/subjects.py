@@ -9,6 +9,9 @@ REQUESTS_STREAM: Final = "TOOLBUS_REQUESTS"
 CATALOG_BUCKET: Final = "toolbus_catalog"
 SNAPSHOTS_BUCKET: Final = "toolbus_snapshots"
 ARTIFACTS_BUCKET: Final = "toolbus_artifacts"
+# Live executor instances, `<instance>` -> {pool, tools}; entries expire unless refreshed.
+EXECUTORS_BUCKET: Final = "toolbus_executors"
+EXECUTORS_TTL_S: Final = 15.0
 
 EVENTS_PREFIX: Final = "toolbus.evt"
 REQUESTS_PREFIX: Final = "toolbus.req"

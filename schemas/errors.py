@@ -4,6 +4,8 @@
     ├── InvalidIdError            a session id, namespace or tool name is not NATS-token safe
     ├── InvalidRequestError       a request body cannot be accepted (JSON, types, size)
     ├── ConfigError               a setting or command-line option is unusable
+    │   ├── ManifestError         a manifest file is invalid (names the key path)
+    │   └── ToolConflictError     two sources register the same tool name
     └── BusError                  anything that went wrong talking to NATS
         ├── ConnectError          the server could not be reached
         ├── ServerStartError      the embedded nats-server could not start
@@ -39,6 +41,26 @@ class InvalidRequestError(ToolbusError, ValueError):
 
 class ConfigError(ToolbusError, ValueError):
     pass
+
+
+class ManifestError(ConfigError):
+    def __init__(self, path: str, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        listed = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"manifest {path} is invalid:\n{listed}")
+
+
+class ToolConflictError(ConfigError):
+    def __init__(self, name: str, registered_by: str, new_source: str) -> None:
+        self.name = name
+        self.registered_by = registered_by
+        self.new_source = new_source
+        super().__init__(
+            f"tool {name} is already registered by {registered_by}; {new_source} cannot "
+            f"register the same name. Rename one of them, or remove the old entry with "
+            f"`toolbus tools remove {name}` if {registered_by} is gone for good"
+        )
 
 
 class BusError(ToolbusError):

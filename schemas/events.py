@@ -46,7 +46,10 @@ class CallRequested(Event, frozen=True, tag="call.requested"):
     turn_id: str
     tool: str
     arguments: Any
-    reasoning: str | None = None
+    reasoning: str | None = None  # `_reasoningForCall`
+    output_path: str | None = None  # `_outputPath`: where the result goes in `state.data`
+    delegate: str | None = None  # `_delegate`: the executor pool asked for
+    instance: str | None = None  # `_instance`: the executor instance asked for
 
 
 class CallRejected(Event, frozen=True, tag="call.rejected"):

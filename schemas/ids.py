@@ -49,6 +49,12 @@ def split_tool_name(name: object) -> tuple[str, str]:
     return ns, tool
 
 
+def check_tool_name(name: object) -> str:
+    split_tool_name(name)
+    assert isinstance(name, str)
+    return name
+
+
 def turn_id_for(request_id: str) -> str:
     """A token-safe turn id derived from a request id, the same every time."""
     if len(request_id) <= 64 and _TOKEN.fullmatch(request_id):

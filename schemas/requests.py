@@ -2,18 +2,25 @@
 
     {"request_id": "optional, any string", "calls": [{"tool": "ns:tool", "arguments": {...}}]}
 
+A call may carry the meta-fields of seed 001 beside `tool`: `_reasoningForCall` (why the
+agent chose it), `_outputPath` (where the result goes in the session's state object),
+`_delegate` (an executor pool) and `_instance` (one executor instance). A call may also be
+written flat, the way an LLM fills a composed schema: `{"_tool": "ns:tool", "x": 1}`, where
+every key without an underscore is an argument.
+
 Parsing is hand-written rather than schema-driven so every refusal names the exact field
 that was wrong, in words an LLM or a person can act on.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Final
 
 import msgspec
 
 from schemas.errors import InvalidRequestError
-from schemas.ids import AUTO_REQUEST_PREFIX
+from schemas.ids import AUTO_REQUEST_PREFIX, is_token
 
 DEFAULT_MAX_REQUEST_BYTES: Final = 256 * 1024
 DEFAULT_MAX_CALLS: Final = 64
@@ -23,6 +30,9 @@ class CallInput(msgspec.Struct, frozen=True, kw_only=True):
     tool: str
     arguments: Any = msgspec.field(default_factory=dict)
     reasoning: str | None = None
+    output_path: str | None = None
+    delegate: str | None = None
+    instance: str | None = None
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,7 +41,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _KNOWN_KEYS: Final = frozenset({"request_id", "calls"})
-_KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", "_reasoningForCall"})
+META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance")
+_KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", *META_FIELDS})
+_PATH_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def parse_request(
@@ -95,30 +107,61 @@ def parse_request(
             raise InvalidRequestError(
                 "invalid_request", f"{where} must be an object, got {_json_type(call)}"
             )
-        extra = sorted(set(call) - _KNOWN_CALL_KEYS)
-        if extra:
-            raise InvalidRequestError(
-                "invalid_request",
-                f"{where} has unknown field(s) {', '.join(extra)}; "
-                "a call has tool, arguments and optionally _reasoningForCall",
-            )
-        tool = call.get("tool")
-        if not isinstance(tool, str):
-            raise InvalidRequestError(
-                "invalid_request", f"{where}.tool must be a string, got {_json_type(tool)}"
-            )
-        reasoning = call.get("_reasoningForCall")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise InvalidRequestError(
-                "invalid_request",
-                f"{where}._reasoningForCall must be a string, got {_json_type(reasoning)}",
-            )
-        # Arguments that are not an object are kept: they become a call.rejected naming
-        # the call, while the other calls of the request still run.
-        parsed.append(
-            CallInput(tool=tool, arguments=call.get("arguments", {}), reasoning=reasoning)
-        )
+        parsed.append(_parse_call(call, where))
     return Request(request_id=request_id, calls=parsed)
+
+
+def _parse_call(call: dict[str, Any], where: str) -> CallInput:
+    if "_tool" in call:  # the flat form of seed 001
+        if "tool" in call:
+            raise InvalidRequestError("invalid_request",
+                                      f"{where} has both tool and _tool; give one")
+        tool = call["_tool"]
+        arguments: Any = {k: v for k, v in call.items() if not k.startswith("_")}
+        extra = sorted(k for k in call if k.startswith("_") and k not in META_FIELDS
+                       and k != "_tool")
+    else:
+        tool = call.get("tool")
+        arguments = call.get("arguments", {})
+        extra = sorted(set(call) - _KNOWN_CALL_KEYS)
+    if extra:
+        raise InvalidRequestError(
+            "invalid_request",
+            f"{where} has unknown field(s) {', '.join(extra)}; a call has tool, arguments "
+            f"and optionally {', '.join(META_FIELDS)}",
+        )
+    where_tool = f"{where}._tool" if "_tool" in call else f"{where}.tool"
+    if not isinstance(tool, str):
+        raise InvalidRequestError(
+            "invalid_request", f"{where_tool} must be a string, got {_json_type(tool)}"
+        )
+    meta: dict[str, str | None] = {}
+    for key in META_FIELDS:
+        value = call.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(
+                "invalid_request", f"{where}.{key} must be a string, got {_json_type(value)}"
+            )
+        meta[key] = value
+    path = meta["_outputPath"]
+    if path is not None and not all(_PATH_SEGMENT.fullmatch(p) for p in path.split(".")):
+        raise InvalidRequestError(
+            "invalid_request",
+            f"{where}._outputPath {path!r} is not a dotted path of names like "
+            "customer.profile (each part 1 to 128 of A-Z a-z 0-9 _ -)",
+        )
+    for key in ("_delegate", "_instance"):
+        value = meta[key]
+        if value is not None and not is_token(value):
+            raise InvalidRequestError(
+                "invalid_request",
+                f"{where}.{key} {value!r} is not a valid name: use 1 to 128 characters "
+                "from A-Z a-z 0-9 _ -",
+            )
+    # Arguments that are not an object are kept: they become a call.rejected naming the
+    # call, while the other calls of the request still run.
+    return CallInput(tool=tool, arguments=arguments, reasoning=meta["_reasoningForCall"],
+                     output_path=path, delegate=meta["_delegate"], instance=meta["_instance"])
 
 
 def _json_type(value: object) -> str:

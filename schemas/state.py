@@ -42,6 +42,9 @@ class CallState(msgspec.Struct, kw_only=True):
     arguments: Any
     status: CallStatus = "requested"
     reasoning: str | None = None
+    output_path: str | None = None
+    delegate: str | None = None
+    instance: str | None = None
     attempts: int = 0
     executor: str | None = None
     result: Any = None
@@ -87,6 +90,8 @@ class SessionState(msgspec.Struct, kw_only=True):
     calls: dict[str, CallState] = msgspec.field(default_factory=dict)
     open_turns: list[str] = msgspec.field(default_factory=list)
     rejected_requests: int = 0
+    # The session's state object: results of calls made with `_outputPath` land here.
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -118,6 +123,9 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     tool=event.tool,
                     arguments=event.arguments,
                     reasoning=event.reasoning,
+                    output_path=event.output_path,
+                    delegate=event.delegate,
+                    instance=event.instance,
                     requested_at=event.at,
                 )
         case CallRejected():
@@ -143,6 +151,8 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 call.result = event.result
                 call.executor = event.executor
                 call.finished_at = event.at
+                if call.output_path:
+                    set_path(state.data, call.output_path, event.result)
         case CallFailed():
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
@@ -163,6 +173,19 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
         case RequestRejected():
             state.rejected_requests += 1
     return state
+
+
+def set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    """Write `value` at a dotted path, making objects on the way; a non-object in the way
+    is replaced (the newest result wins, as it would in any later read of that path)."""
+    *parents, leaf = path.split(".")
+    node = data
+    for key in parents:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+        node = child
+    node[leaf] = value
 
 
 def fold(session_id: str, events: Iterable[tuple[int, Event]]) -> SessionState:

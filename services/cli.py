@@ -20,8 +20,10 @@ from bus.connection import connect
 from bus.eventlog import EventLog
 from schemas.errors import ToolbusError
 from schemas.events import RequestRejected, TurnCompleted, TurnFailed, encode_event, summarize
-from schemas.ids import check_session_id
+from schemas.ids import check_session_id, check_tool_name
+from schemas.providers import compose_schema, export
 from schemas.state import encode_state, fold
+from schemas.tools import ToolSpec, to_tool_schema
 from services.config import ActorSettings, default_data_dir, default_nats_url
 
 EXIT_OK, EXIT_CALL_FAILED, EXIT_USAGE, EXIT_BUS = 0, 1, 2, 3
@@ -34,6 +36,8 @@ def _add_nats(p: argparse.ArgumentParser) -> None:
 
 
 def _add_actor_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", type=Path, default=None, metavar="FILE",
+                   help="YAML manifest declaring the tools to serve (see deploy/examples/)")
     p.add_argument("--tools", action="append", default=[], metavar="MODULE",
                    help="load tools from a module name or .py file (repeatable)")
     p.add_argument("--pool", default="default", help="executor pool name (default: default)")
@@ -67,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default=None, help="session id (default: a new one)")
     p.add_argument("--request-id", default=None, help="idempotency key of the request")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    p.add_argument("--reasoning", default=None, help="_reasoningForCall: why this call")
+    p.add_argument("--output-path", default=None, metavar="PATH",
+                   help="_outputPath: store the result at this dotted path of the session state")
+    p.add_argument("--delegate", default=None, metavar="POOL",
+                   help="_delegate: run the call in this executor pool")
+    p.add_argument("--instance", default=None,
+                   help="_instance: run the call on this executor instance")
     _add_nats(p)
 
     p = sub.add_parser("replay", help="a session's timeline and rebuilt state; runs no tool")
@@ -80,13 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session")
     _add_nats(p)
 
-    p = sub.add_parser("tools", help="list the tool catalog; `tools show NAME` for one spec")
-    p.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    p = sub.add_parser(
+        "tools", help="the tool catalog: list | show NAME | export --format F | remove NAME")
+    p.add_argument("action", nargs="?", choices=["list", "show", "export", "remove"],
+                   default="list")
     p.add_argument("name", nargs="?", default=None)
+    p.add_argument("--format", choices=["openai", "anthropic", "gemini", "mcp", "composed"],
+                   default="openai", help="export format (default openai)")
+    p.add_argument("--output-schema", type=Path, default=None, metavar="FILE",
+                   help="composed: JSON Schema file of the final output")
+    p.add_argument("--names", action="store_true",
+                   help="export: also print the provider-name -> tool-name map")
     _add_nats(p)
 
-    p = sub.add_parser("bench", help="benchmarks against a raw JetStream baseline")
-    p.add_argument("what", choices=["calls"])
+    p = sub.add_parser("executors", help="live executor instances, their pools and tools")
+    _add_nats(p)
+
+    p = sub.add_parser("bench", help="benchmarks against a raw baseline")
+    p.add_argument("what", choices=["calls", "validation"])
     p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
     p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
@@ -119,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_state(url, args))
             case "tools":
                 return _run(_tools(url, args))
+            case "executors":
+                return _run(_executors(url))
+            case "bench" if args.what == "validation":
+                from services.bench import bench_validation
+                return bench_validation(json_out=args.json)
             case "bench":
                 from services.bench import bench_calls
                 return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
@@ -141,7 +168,8 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 def _actor_settings(args: argparse.Namespace) -> ActorSettings:
-    return ActorSettings(tools=tuple(args.tools), pool=args.pool, instance=args.instance,
+    return ActorSettings(tools=tuple(args.tools), manifest=args.manifest, pool=args.pool,
+                         instance=args.instance,
                          ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
 
 
@@ -155,8 +183,14 @@ async def _call(url: str, args: argparse.Namespace) -> int:
     bus = await connect(url, name="toolbus-call")
     try:
         print(f"session: {session}", file=sys.stderr)
+        call: dict[str, Any] = {"tool": args.tool, "arguments": arguments}
+        for key, value in (("_reasoningForCall", args.reasoning),
+                           ("_outputPath", args.output_path), ("_delegate", args.delegate),
+                           ("_instance", args.instance)):
+            if value is not None:
+                call[key] = value
         end = await ToolbusClient(bus).call(
-            session, [{"tool": args.tool, "arguments": arguments}],
+            session, [call],
             request_id=args.request_id, timeout=args.timeout)
     finally:
         await bus.close()
@@ -220,22 +254,30 @@ async def _state(url: str, args: argparse.Namespace) -> int:
 
 
 async def _tools(url: str, args: argparse.Namespace) -> int:
+    if args.action in ("show", "remove") and not args.name:
+        print(f"toolbus: tools {args.action} needs a NAME, e.g. built-in:echo", file=sys.stderr)
+        return EXIT_USAGE
     bus = await connect(url, name="toolbus-tools")
     try:
-        specs = await Catalog(bus).load()
+        catalog = Catalog(bus)
+        if args.action == "remove":
+            removed = await catalog.remove(check_tool_name(args.name))
+            print(f"removed {args.name}" if removed else f"no tool named {args.name}",
+                  file=sys.stderr)
+            return EXIT_OK if removed else EXIT_CALL_FAILED
+        specs = await catalog.load()
     finally:
         await bus.close()
     if args.action == "show":
-        if not args.name:
-            print("toolbus: tools show needs a NAME, e.g. built-in:echo", file=sys.stderr)
-            return EXIT_USAGE
         spec = next((s for s in specs if s.name == args.name), None)
         if spec is None:
             print(f"toolbus: no tool named {args.name!r}; `toolbus tools` lists them",
                   file=sys.stderr)
             return EXIT_CALL_FAILED
-        sys.stdout.write(msgspec.json.format(_json.encode(spec).decode(), indent=2) + "\n")
+        _print_json(to_tool_schema(spec))
         return EXIT_OK
+    if args.action == "export":
+        return _export(specs, args)
     if not specs:
         print("no tools registered: start an executor (`toolbus up`)", file=sys.stderr)
         return EXIT_OK
@@ -244,9 +286,48 @@ async def _tools(url: str, args: argparse.Namespace) -> int:
         a = s.annotations
         flags = ",".join(f for f, on in (("read-only", a.readOnlyHint),
                                           ("destructive", a.destructiveHint and not a.readOnlyHint),
-                                          ("idempotent", a.idempotentHint)) if on) or "-"
-        sys.stdout.write(f"{s.name:<{width}}  {flags:<24} risk={s.risk_level:<6} "
-                         f"source={s.source} pool={s.pool}\n")
+                                          ("idempotent", a.idempotentHint),
+                                          ("open-world", a.openWorldHint),
+                                          ("approval", s.requires_approval)) if on) or "-"
+        sys.stdout.write(f"{s.name:<{width}}  {flags:<40} risk={s.risk_level:<6} "
+                         f"source={s.source} pools={','.join(s.pools)}\n")
+    return EXIT_OK
+
+
+def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
+    if args.format == "composed":
+        output = None
+        if args.output_schema is not None:
+            try:
+                output = msgspec.json.decode(args.output_schema.read_bytes())
+            except (OSError, msgspec.DecodeError) as exc:
+                print(f"toolbus: --output-schema {args.output_schema}: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+        _print_json(compose_schema(specs, output))
+        return EXIT_OK
+    doc, names = export(specs, args.format)
+    if args.names:
+        doc = {"tools": doc, "names": {names.encode(s.name): s.name for s in specs}}
+    _print_json(doc)
+    return EXIT_OK
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.format(_json.encode(value).decode(), indent=2) + "\n")
+
+
+async def _executors(url: str) -> int:
+    bus = await connect(url, name="toolbus-executors")
+    try:
+        infos = await Catalog(bus).load_executors()
+    finally:
+        await bus.close()
+    if not infos:
+        print("no live executors", file=sys.stderr)
+        return EXIT_OK
+    for i in infos:
+        sys.stdout.write(f"{i.instance}  pool={i.pool}  host={i.host} pid={i.pid}  "
+                         f"tools={','.join(i.tools)}\n")
     return EXIT_OK
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import platformdirs
 
 from bus.connection import DEFAULT_NATS_URL
+from schemas.errors import ManifestError
+from schemas.manifest import Manifest, parse_manifest, with_base_dir
 
 
 def default_nats_url() -> str:
@@ -23,7 +25,29 @@ def default_data_dir() -> Path:
 @dataclass(frozen=True, slots=True)
 class ActorSettings:
     tools: tuple[str, ...] = ()
+    manifest: Path | None = None
     pool: str = "default"
     instance: str | None = None
     ack_wait_s: float = 30.0
     max_in_flight: int = 64
+
+
+def load_manifest(path: Path) -> Manifest:
+    """Read and validate a manifest, resolving `${VAR}` from this process's environment."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ManifestError(str(path), [f"cannot read it: {exc.strerror}"]) from exc
+    base = path.resolve().parent
+    manifest = parse_manifest(text, env=os.environ, path=str(path))
+    return with_base_dir(manifest, lambda p: str(base / Path(p).expanduser()))
+
+
+def tool_secrets() -> dict[str, str]:
+    """Provider keys the built-in tools may use, from the environment."""
+    return {k: v for k in ("TAVILY_API_KEY",) if (v := os.environ.get(k))}
+
+
+def subprocess_path() -> str:
+    """The only variable code_execute and git children get."""
+    return os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin"

@@ -8,11 +8,11 @@ import ctypes
 import logging
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.builtin import BUILTINS
+from actors.builtins import BUILTINS, manifest_tools
 from actors.executor import Executor
 from actors.session import SessionActor
 from actors.tool import LocalTool, load_tools
@@ -21,7 +21,7 @@ from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
 from schemas.errors import ConfigError
-from services.config import ActorSettings
+from services.config import ActorSettings, load_manifest, subprocess_path, tool_secrets
 
 log = logging.getLogger("toolbus")
 
@@ -33,28 +33,50 @@ class Actor(Protocol):
     async def stop(self, grace: float = ...) -> None: ...
 
 
-def collect_tools(settings: ActorSettings) -> list[LocalTool]:
-    tools = list(BUILTINS)
-    for target in settings.tools:
-        tools.extend(load_tools(target))
-    return tools
+def collect_tools(settings: ActorSettings) -> dict[str, list[LocalTool]]:
+    """The tools to serve, by pool. Without a manifest: the built-ins and `--tools`
+    modules, all in `settings.pool`. With one: each manifest tool in its declared pool,
+    and `--tools` modules in `settings.pool`."""
+    extra = [t for target in settings.tools for t in load_tools(target)]
+    if settings.manifest is None:
+        return {settings.pool: [*BUILTINS, *extra]}
+    manifest = load_manifest(settings.manifest)
+    by_pool: dict[str, list[LocalTool]] = {}
+    for t in manifest_tools(manifest, path_env=subprocess_path(), secrets=tool_secrets()):
+        by_pool.setdefault(t.spec.pools[0], []).append(t)
+    by_pool.setdefault(settings.pool, []).extend(extra)
+    return by_pool
 
 
 async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) -> list[Actor]:
     """Start the actors of `kinds`, executors first so their tools are in the catalog
     before the session actor admits calls."""
-    unknown = [k for k in kinds if k not in ACTOR_KINDS]
+    unknown = [k for k in kinds if k not in (*ACTOR_KINDS, "executors")]
     if unknown:
         raise ConfigError(
             f"unknown actor kind {unknown[0]!r}: choose from {', '.join(ACTOR_KINDS)}"
         )
     started: list[Actor] = []
-    if "executor" in kinds:
-        executor = Executor(bus, collect_tools(settings), instance=settings.instance,
-                            pool=settings.pool, ack_wait_s=settings.ack_wait_s,
-                            max_in_flight=settings.max_in_flight)
-        await executor.start()
-        started.append(executor)
+    if "executor" in kinds or "executors" in kinds:
+        by_pool = collect_tools(settings)
+        # `toolbus actor executor` serves its own pool; `toolbus up` every pool.
+        pools = sorted(by_pool) if "executors" in kinds else [settings.pool]
+        for pool in pools:
+            tools = by_pool.get(pool, [])
+            if not tools:
+                raise ConfigError(f"pool {pool} has no tools to serve; the manifest puts "
+                                  f"tools in: {', '.join(sorted(by_pool))}")
+            instance = settings.instance if len(pools) == 1 else (
+                f"{settings.instance}-{pool}" if settings.instance else None)
+            executor = Executor(bus, tools, instance=instance, pool=pool,
+                                ack_wait_s=settings.ack_wait_s,
+                                max_in_flight=settings.max_in_flight)
+            try:
+                await executor.start()
+            except BaseException:
+                await stop_actors(started)
+                raise
+            started.append(executor)
     if "session" in kinds:
         catalog = Catalog(bus)
         await catalog.start()
@@ -94,7 +116,8 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 
 
 async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
-                     *, server: EmbeddedServer | None = None, banner: str | None = None) -> int:
+                     *, server: EmbeddedServer | None = None,
+                     banner: str | Callable[[list[Actor]], str] | None = None) -> int:
     bus = await connect(url, name=f"toolbus-{'+'.join(kinds)}")
     stop = asyncio.Event()
     _stop_on_signals(stop)
@@ -104,7 +127,7 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
         await provision(bus)
         actors = await start_actors(bus, kinds, settings)
         if banner:
-            print(banner, flush=True)
+            print(banner if isinstance(banner, str) else banner(actors), flush=True)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -135,7 +158,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings) -> int:
-    kinds = list(ACTOR_KINDS)
+    kinds = ["executors", "session"]
+    if settings.manifest is not None:
+        load_manifest(settings.manifest)  # a bad manifest fails before anything starts
     if nats_url:
         banner = _banner(nats_url, None, None)
         return _run(run_actors(nats_url, kinds, settings, banner=banner))
@@ -150,12 +175,19 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
         server.stop()
 
 
-def _banner(url: str, data_dir: Path | None, pid: int | None) -> str:
+def _banner(url: str, data_dir: Path | None,
+            pid: int | None) -> Callable[[list[Actor]], str]:
     where = f"embedded nats-server (pid {pid}) on {url}, data in {data_dir}" if pid else url
-    return (
-        f"toolbus is up: {where}\n"
-        f"  actors: session, executor ({', '.join(b.spec.name for b in BUILTINS)})\n"
-        f"  try:    toolbus call built-in:echo '{{\"text\": \"hi\"}}' --session demo"
-        + (f" --nats {url}" if url != "nats://127.0.0.1:4222" else "")
-        + "\n  stop:   Ctrl-C"
-    )
+
+    def text(actors: list[Actor]) -> str:
+        lines = [f"toolbus is up: {where}", "  actors: session"]
+        for a in actors:
+            if isinstance(a, Executor):
+                lines.append(f"  executor {a.instance} (pool {a.pool}): "
+                             f"{', '.join(sorted(a.tools))}")
+        lines.append("  try:    toolbus call built-in:echo '{\"text\": \"hi\"}' --session demo"
+                     + (f" --nats {url}" if url != "nats://127.0.0.1:4222" else ""))
+        lines.append("  stop:   Ctrl-C")
+        return "\n".join(lines)
+
+    return text

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from actors.builtin import BUILTINS
+from actors.builtins import BUILTINS
 from actors.executor import Executor
 from actors.session import SessionActor
 from actors.tool import load_tools

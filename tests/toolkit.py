@@ -45,3 +45,8 @@ def refuse(reason: str) -> None:
 @tool("testing:not_json", read_only=True)
 def not_json() -> object:
     return {"value": object()}
+
+
+@tool("testing:loose", read_only=True, parameters={"type": "object"})
+async def loose(seconds: float) -> dict[str, float]:
+    return {"seconds": seconds}

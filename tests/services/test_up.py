@@ -76,7 +76,7 @@ async def test_toolbus_up_serves_cli_and_raw_clients_and_survives_a_server_kill(
         tools = run_toolbus("tools", "--nats", url)
         assert "built-in:echo" in tools.stdout and "built-in:current_time" in tools.stdout
         show = run_toolbus("tools", "show", "built-in:current_time", "--nats", url)
-        assert json.loads(show.stdout)["parameters"]["properties"]["timezone"]["type"] == "string"
+        assert json.loads(show.stdout)["properties"]["timezone"]["type"] == "string"
 
         timeline = run_toolbus("replay", "demo", "--nats", url)
         assert timeline.returncode == 0
