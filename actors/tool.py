@@ -190,7 +190,8 @@ class LocalTool:
                 result = await result
         try:
             if self.result_adapter is not None:
-                return self.result_adapter.dump_python(result, mode="json")
+                # No warnings: a result of the wrong shape is reported by the output check.
+                return self.result_adapter.dump_python(result, mode="json", warnings=False)
             if isinstance(result, pydantic.BaseModel):
                 return result.model_dump(mode="json")
         except pydantic_core.PydanticSerializationError as exc:
@@ -405,7 +406,7 @@ def load_tools(target: str) -> list[LocalTool]:
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module
             spec.loader.exec_module(module)
-            source = f"python:{path.name}"
+            source = f"python:{_dotted_name(path) or path.name}"
         else:
             module = importlib.import_module(target)
     except ImportError as exc:
@@ -423,6 +424,20 @@ def load_tools(target: str) -> list[LocalTool]:
         found = [LocalTool(msgspec.structs.replace(t.spec, source=source), t.fn, t.injected,
                            t.args_model, t.result_adapter) for t in found]
     return found
+
+
+def _dotted_name(path: Path) -> str | None:
+    """The module name a .py file has when imported from sys.path, so a module loaded by
+    path and by name is one source in the catalog."""
+    for entry in sys.path:
+        base = Path(entry or ".").resolve()
+        try:
+            rel = path.with_suffix("").relative_to(base)
+        except ValueError:
+            continue
+        if all(part.isidentifier() for part in rel.parts):
+            return ".".join(rel.parts)
+    return None
 
 
 def index_tools(tools: Iterable[LocalTool]) -> dict[str, LocalTool]:

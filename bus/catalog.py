@@ -44,6 +44,7 @@ class _WatchedBucket(Generic[T]):
         self.items: dict[str, T] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
+        self._changed = asyncio.Event()
 
     async def bucket(self) -> KeyValue:
         if self._kv is None:
@@ -63,6 +64,15 @@ class _WatchedBucket(Generic[T]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    async def wait_until(self, predicate: Callable[[dict[str, T]], bool],
+                         timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while True:
+                self._changed.clear()
+                if predicate(self.items):
+                    return
+                await self._changed.wait()
+
     async def _watch(self, watcher: KeyValue.KeyWatcher) -> None:
         try:
             async for entry in watcher:
@@ -79,6 +89,7 @@ class _WatchedBucket(Generic[T]):
                                     self._bucket_name, entry.key, exc)
                         continue
                 self._ready.set()
+                self._changed.set()
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py lacks hints here
@@ -168,6 +179,10 @@ class Catalog:
     def instance_tools(self, instance: str) -> frozenset[str] | None:
         info = self._executors.items.get(instance)
         return None if info is None else frozenset(info.tools)
+
+    async def wait_for_instance(self, instance: str, timeout: float = 10.0) -> None:
+        """Until a live executor named `instance` is seen (after `start`)."""
+        await self._executors.wait_until(lambda items: instance in items, timeout)
 
     def executors(self) -> list[ExecutorInfo]:
         return sorted(self._executors.items.values(), key=lambda i: i.instance)

@@ -171,8 +171,11 @@ def summarize(event: Event) -> str:
             return f"turn {event.turn_id} (request {event.request_id}): {n} call(s)"
         case CallRequested():
             why = f"  reason: {event.reasoning}" if event.reasoning else ""
+            meta = "".join(f"  {label}: {value}" for label, value in (
+                ("-> state.", event.output_path), ("pool", event.delegate),
+                ("instance", event.instance)) if value)
             args = _encoder.encode(event.arguments).decode()
-            return f"{event.call_id} {event.tool} {_clip(args)}{why}"
+            return f"{event.call_id} {event.tool} {_clip(args)}{why}{meta}"
         case CallRejected():
             return f"{event.call_id} {event.tool} rejected ({event.reason}): {_clip(event.message)}"
         case CallDispatched():

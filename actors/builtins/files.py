@@ -36,8 +36,10 @@ def confine(root: Path, rel: str) -> Path:
 
 def file_tools(cfg: FilesConfig) -> list[LocalTool]:
     root = Path(os.path.realpath(cfg.root))
-    if not root.is_dir():
-        raise ConfigError(f"tools.files.root: {cfg.root} is not a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"tools.files.root: cannot use {cfg.root}: {exc.strerror}") from exc
 
     @tool("built-in:file_read", read_only=True, idempotent=True, open_world=False,
           timeout_ms=10_000, source="built-in", pool=cfg.pool)

@@ -17,3 +17,13 @@ def test_bench_calls_reports_toolbus_next_to_its_raw_baselines() -> None:
     assert report["failures"] == 0
     assert set(report["ratios"]) == {"seq_p50_vs_js_publish", "seq_p50_vs_request_reply",
                                      "throughput_vs_js_publish"}
+
+
+def test_bench_validation_reports_the_cost_per_call_next_to_a_json_decode() -> None:
+    out = run_toolbus("bench", "validation", "--json")
+    assert out.returncode in (0, 1), out.stderr  # 1 = over the 20 µs target: reported, not asserted
+    report = json.loads(out.stdout)
+    assert report["schema_fields"] == 10 and report["target_us"] == 20.0
+    for key in ("json_decode_us", "toolbus_valid_us", "toolbus_invalid_all_violations_us",
+                "fastjsonschema_valid_us", "ratio_to_json_decode"):
+        assert report[key] > 0, key

@@ -1,0 +1,167 @@
+"""The Python tool SDK: schemas from type hints, resources, pools, the catalog."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import Any
+
+import pytest
+
+from actors.executor import Executor
+from actors.tool import load_tools, tool
+from bus.catalog import Catalog
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from schemas.errors import ConfigError, ToolConflictError
+from schemas.events import TurnCompleted, TurnFailed
+from schemas.tools import ToolSpec
+from tests.conftest import TESTS, EventWatch, of_type
+
+
+def _sdk() -> dict[str, Any]:
+    return {t.spec.name: t for t in load_tools(str(TESTS / "sdk_toolkit.py"))}
+
+
+def test_the_decorator_builds_the_schema_from_hints_docstring_and_models() -> None:
+    spec = _sdk()["shipping:quote"].spec
+    assert spec.description == "Quote the price of shipping one parcel."
+    params = spec.parameters
+    assert params["required"] == ["address"] and params["additionalProperties"] is False
+    assert params["properties"]["speed"] == {
+        "default": "standard", "description": "express costs double.",
+        "enum": ["standard", "express"], "type": "string"}
+    assert "rates" not in params["properties"]  # injected, not an argument
+    address = params["$defs"]["Address"]
+    assert address["properties"]["zip"]["pattern"] == r"^\d{5}$"
+    assert spec.output is not None and spec.output["required"] == ["city", "price", "express"]
+    assert spec.annotations.readOnlyHint and spec.annotations.idempotentHint
+    assert not spec.annotations.destructiveHint and spec.risk_level == "low"
+    assert spec.source == "python:tests.sdk_toolkit"  # the same as `--tools tests.sdk_toolkit`
+    label = _sdk()["shipping:label"].spec
+    assert label.requires_approval and label.risk_level == "high"
+    assert label.annotations.destructiveHint and label.output is not None
+
+
+def test_bad_tool_definitions_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="namespace:tool"):
+        tool("no_namespace")
+    with pytest.raises(ConfigError, match="risk_level"):
+        tool("a:b", risk_level="extreme")  # type: ignore[arg-type]
+
+    def meta(_secret: int) -> None: ...
+
+    with pytest.raises(ConfigError, match="starts with '_'"):
+        tool("a:b")(meta)
+
+
+async def _call(client: ToolbusClient, sid: str, tool_name: str, args: Any,
+                **meta: str) -> Any:
+    end = await client.call(sid, [{"tool": tool_name, "arguments": args, **meta}], timeout=15)
+    assert isinstance(end, TurnCompleted | TurnFailed), end
+    return end.outcomes[0]
+
+
+async def test_sdk_tools_run_with_models_resources_and_output_checks(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    tools = load_tools(str(TESTS / "sdk_toolkit.py"))
+    mod = sys.modules["toolbus_user_tools_sdk_toolkit"]  # the module load_tools imported
+    pool = f"sdk{uuid.uuid4().hex[:6]}"
+    ex = Executor(bus, tools, instance=f"sdk-{pool}", pool=pool, ack_wait_s=5.0)
+    await ex.start()
+    try:
+        assert mod.EVENTS == ["opened"]
+        addr = {"street": "1 rue X", "city": "Paris", "zip": "75001"}
+        out = await _call(client, sid, "shipping:quote", {"address": addr, "speed": "express"},
+                          _delegate=pool)
+        assert out.status == "succeeded", out
+        assert out.result == {"city": "Paris", "price": 25.0, "express": True}
+        bad = await _call(client, sid, "shipping:quote",
+                          {"address": {"street": 1, "zip": "7500"}, "speed": "rocket"},
+                          _delegate=pool)
+        assert bad.status == "rejected" and bad.error.error_type == "invalid_arguments"
+        for where in ("$.address.street", "$.address.zip", "$.address:", "$.speed"):
+            assert where in bad.error.message, (where, bad.error.message)
+        nope = await _call(client, sid, "shipping:quote",
+                           {"address": {**addr, "city": "Nice"}}, _delegate=pool)
+        assert nope.error.error_type == "no_service"
+        sync = await _call(client, sid, "shipping:label", {"order_id": 7}, _delegate=pool)
+        assert sync.result == {"order_id": 7, "copies": 1}  # default filled in
+        broken = await _call(client, sid, "shipping:broken_promise", {}, _delegate=pool)
+        assert broken.error.error_type == "output_invalid"
+        assert "$.city" in broken.error.message
+    finally:
+        await ex.stop()
+    assert mod.EVENTS == ["opened", "closed"]
+
+
+async def test_delegate_routes_to_the_named_pool_and_unknown_pools_are_rejected(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    from tests import toolkit
+
+    special = Executor(bus, [toolkit.sleep], instance="special-1", pool="special",
+                       ack_wait_s=5.0)
+    await special.start()
+    try:
+        async with EventWatch(bus, sid) as watch:
+            await _call(client, sid, "testing:sleep", {"seconds": 0}, _delegate="special")
+            await _call(client, sid, "testing:sleep", {"seconds": 0})
+            events = await watch.until(lambda evs: len(of_type(evs, "turn.completed")) == 2)
+        started = of_type(events, "call.started")
+        assert [s.executor for s in started] == ["special-1", "in-process"]
+        assert of_type(events, "call.dispatched")[0].route == "special.testing"
+        missing = await _call(client, sid, "testing:sleep", {"seconds": 0}, _delegate="gpu")
+        assert missing.error.error_type == "unknown_pool"
+        assert "default, special" in missing.error.message
+    finally:
+        await special.stop()
+
+
+async def test_instance_targets_one_named_executor(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    from tests import toolkit
+
+    twin = Executor(bus, [toolkit.sleep], instance="twin-b", ack_wait_s=5.0)
+    await twin.start()
+    try:
+        catalog: Catalog = system["catalog"]
+        await catalog.wait_for_instance("twin-b", timeout=5)
+        for _ in range(3):
+            out = await _call(client, sid, "testing:sleep", {"seconds": 0}, _instance="twin-b")
+            assert out.status == "succeeded"
+        state = await client.live_state(sid)
+        assert {c.executor for c in state.calls.values()} == {"twin-b"}
+        gone = await _call(client, sid, "testing:sleep", {"seconds": 0}, _instance="nobody")
+        assert gone.error.error_type == "unknown_instance"
+        wrong = await _call(client, sid, "built-in:echo", {}, _instance="twin-b")
+        assert "does not have the tool" in wrong.error.message
+    finally:
+        await twin.stop()
+
+
+async def test_output_path_writes_the_result_into_the_session_state(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    await _call(client, sid, "built-in:echo", {"name": "Ada"}, _outputPath="customer.profile",
+                _reasoningForCall="remember who we talk to")
+    await _call(client, sid, "built-in:echo", {"n": 1}, _outputPath="customer.visits")
+    state = await client.live_state(sid)
+    assert state.data == {"customer": {"profile": {"name": "Ada"}, "visits": {"n": 1}}}
+    call = next(c for c in state.calls.values() if c.output_path == "customer.profile")
+    assert call.reasoning == "remember who we talk to"
+    # the client fixture checks that the replayed state (data included) equals this one
+
+
+async def test_two_sources_cannot_register_one_name_but_one_source_merges_pools(
+        bus: Bus) -> None:
+    catalog = Catalog(bus)
+    name = f"clash{uuid.uuid4().hex[:6]}:tool"
+    await catalog.register([ToolSpec(name=name, source="python:a", pools=["default"])])
+    await catalog.register([ToolSpec(name=name, source="python:a", pools=["gpu"])])
+    assert [s.pools for s in await catalog.load() if s.name == name] == [["default", "gpu"]]
+    with pytest.raises(ToolConflictError) as err:
+        await catalog.register([ToolSpec(name=name, source="mcp:other")])
+    assert "already registered by python:a" in str(err.value)
+    assert f"toolbus tools remove {name}" in str(err.value)
+    assert [s.source for s in await catalog.load() if s.name == name] == ["python:a"]
+    assert await catalog.remove(name)
+    await catalog.register([ToolSpec(name=name, source="mcp:other")])

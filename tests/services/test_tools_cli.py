@@ -1,0 +1,134 @@
+"""Tools as users deploy them: a tool module in an executor subprocess, and `toolbus up
+--manifest` with the example manifest, driven through the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from bus.server import free_port
+from tests.conftest import REPO, Proc, run_toolbus
+
+
+async def arun(*args: str) -> subprocess.CompletedProcess[str]:
+    """`run_toolbus` off the event loop, which the in-process actors need meanwhile."""
+    return await asyncio.to_thread(run_toolbus, *args)
+
+
+async def test_a_user_tool_module_runs_in_an_executor_and_is_called_from_the_cli(
+        nats_url: str, system: dict[str, Any]) -> None:
+    executor = Proc("actor", "executor", "--tools", "tests/sdk_toolkit.py",
+                    "--instance", "user-tools", "--nats", nats_url, ready="executor actor")
+    try:
+        await executor.wait_ready()
+        show = await arun("tools", "show", "shipping:quote", "--nats", nats_url)
+        assert show.returncode == 0, show.stderr
+        schema = json.loads(show.stdout)
+        assert schema["_tool"] == "shipping:quote"
+        assert schema["description"] == "Quote the price of shipping one parcel."
+        assert schema["properties"]["speed"]["enum"] == ["standard", "express"]
+        assert schema["required"] == ["address"] and "Address" in schema["$defs"]
+        assert schema["_output"]["properties"]["price"]["type"] == "number"
+        assert schema["_annotations"]["readOnlyHint"] is True
+        assert schema["_source"] == "python:tests.sdk_toolkit"
+
+        args = '{"address": {"street": "1 rue X", "city": "Lyon", "zip": "69001"}}'
+        out = await arun("call", "shipping:quote", args, "--nats", nats_url,
+                          "--reasoning", "the user asked for a price")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"city": "Lyon", "price": 9.0, "express": False}
+
+        bad = await arun("call", "shipping:quote", '{"address": {"zip": "x"}, "speed": 1}',
+                          "--nats", nats_url)
+        assert bad.returncode == 1
+        assert "invalid_arguments" in bad.stderr and "5 violations" in bad.stderr
+        for where in ("$.address", "$.address.zip", "$.speed"):
+            assert where in bad.stderr
+
+        listed = await arun("tools", "--nats", nats_url)
+        line = next(x for x in listed.stdout.splitlines() if x.startswith("shipping:label"))
+        assert "approval" in line and "risk=high" in line
+        live = await arun("executors", "--nats", nats_url)
+        assert "user-tools  pool=default" in live.stdout
+    finally:
+        executor.stop()
+
+
+class _Tickets(http.server.BaseHTTPRequestHandler):
+    received: list[dict[str, Any]] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Tickets.received.append({"path": self.path, "body": body,
+                                  "auth": self.headers.get("Authorization")})
+        data = json.dumps({"id": len(_Tickets.received), **body}).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Tickets)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    env = {"TICKETS_URL": f"http://127.0.0.1:{server.server_address[1]}",
+           "TICKETS_TOKEN": "s3cret", "TAVILY_API_KEY": ""}
+    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--manifest",
+              str(REPO / "deploy/examples/manifest.yaml"), ready="stop:", env=env)
+    try:
+        banner = await up.wait_ready()
+        assert "(pool sandbox): built-in:code_execute" in banner
+        assert "tickets:create_ticket" in banner and "built-in:git_read" in banner
+
+        out = run_toolbus("call", "tickets:create_ticket",
+                          '{"path": "/tickets", "body": {"title": "printer on fire"}}',
+                          "--session", "m1", "--nats", url)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["ok"] and result["status"] == 201 and result["data"]["id"] == 1
+        assert _Tickets.received == [{"path": "/tickets", "body": {"title": "printer on fire"},
+                                      "auth": "Bearer s3cret"}]
+        get = run_toolbus("call", "tickets:create_ticket", '{"path": "/t", "method": "GET"}',
+                          "--nats", url)
+        assert get.returncode == 1 and "is not one of" in get.stderr and "POST" in get.stderr
+
+        code = run_toolbus("call", "built-in:code_execute", '{"code": "print(6*7)"}',
+                           "--nats", url)
+        assert code.returncode == 0 and json.loads(code.stdout)["stdout"] == "42\n"
+        log = run_toolbus("call", "built-in:git_read", '{"command": "log -1 --format=%H"}',
+                          "--nats", url)
+        assert log.returncode == 0 and len(json.loads(log.stdout)["output"].strip()) == 40
+        search = run_toolbus("call", "built-in:web_search", '{"query": "x"}', "--nats", url)
+        assert search.returncode == 1 and "set TAVILY_API_KEY" in search.stderr
+
+        for fmt in ("openai", "anthropic", "gemini", "mcp"):
+            exported = run_toolbus("tools", "export", "--format", fmt, "--nats", url)
+            assert exported.returncode == 0, exported.stderr
+            assert "tickets__create_ticket" in exported.stdout or \
+                "tickets.create_ticket" in exported.stdout
+        replay = run_toolbus("replay", "m1", "--nats", url)
+        assert "tickets:create_ticket" in replay.stdout and "turn.completed" in replay.stdout
+    finally:
+        up.stop()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_bad_manifest_stops_up_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "m.yaml"
+    bad.write_text("tools:\n  http:\n    - name: a:b\n      base_url: ${NOPE_NOT_SET}\n")
+    out = run_toolbus("up", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"),
+                      "--manifest", str(bad))
+    assert out.returncode == 2
+    assert "tools.http[0].base_url: ${NOPE_NOT_SET} is not set" in out.stderr
