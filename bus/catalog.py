@@ -206,31 +206,30 @@ class Catalog:
 
     async def load(self) -> list[ToolSpec]:
         """A one-shot read of every spec, for CLI listing without a watcher."""
-        kv = await self._specs.bucket()
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        specs = []
-        for key in keys:
-            spec, _ = await self._current(kv, key)
-            if spec is not None:
-                specs.append(spec)
+        specs = await _read_all(await self._specs.bucket(), decode_spec)
         return sorted(specs, key=lambda s: s.name)
 
     async def load_executors(self) -> list[ExecutorInfo]:
-        kv = await self._executors.bucket()
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        out = []
-        for key in keys:
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                entry = await kv.get(key)
-                if entry.value:
-                    out.append(_executor_decoder.decode(entry.value))
-        return sorted(out, key=lambda i: i.instance)
+        infos = await _read_all(await self._executors.bucket(), _executor_decoder.decode)
+        return sorted(infos, key=lambda i: i.instance)
+
+
+async def _read_all(kv: KeyValue, decode: Callable[[bytes], T]) -> list[T]:
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    out = []
+    for key in keys:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            entry = await kv.get(key)
+            if not entry.value:
+                continue
+            try:
+                out.append(decode(entry.value))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("%s: entry %s is unreadable; skipped", kv._name, key)
+    return out
 
 
 _key_cache: dict[str, str | None] = {}

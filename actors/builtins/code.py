@@ -13,9 +13,6 @@ machines where that is acceptable.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 import resource
 import signal
 import sys
@@ -24,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from actors.builtins.process import run_capped
 from actors.tool import LocalTool, ToolError, tool
 from schemas.manifest import CodeConfig
 
@@ -36,17 +34,6 @@ def _limits(cpu_s: int, mem_mb: int) -> Any:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     return apply
-
-
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, int]:
-    kept = bytearray()
-    cut = 0
-    while chunk := await stream.read(65536):
-        room = cap - len(kept)
-        if room > 0:
-            kept += chunk[:room]
-        cut += max(0, len(chunk) - max(room, 0))
-    return bytes(kept), cut
 
 
 def code_tool(cfg: CodeConfig, *, path_env: str) -> LocalTool:
@@ -79,38 +66,23 @@ def code_tool(cfg: CodeConfig, *, path_env: str) -> LocalTool:
                 argv = ["/bin/sh", str(script)]
             script.write_text(code)
             t0 = time.perf_counter()
-            proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=tmp, env={"PATH": path_env}, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, preexec_fn=_limits(cfg.cpu_seconds, cfg.memory_mb),
-            )
-            assert proc.stdout is not None and proc.stderr is not None
-            try:
-                async with asyncio.timeout(cfg.timeout_ms / 1000):
-                    (out, out_cut), (err, err_cut) = await asyncio.gather(
-                        _read_capped(proc.stdout, cfg.max_output_bytes),
-                        _read_capped(proc.stderr, cfg.max_output_bytes))
-                    code_ = await proc.wait()
-            except TimeoutError:
-                raise ToolError(f"the program ran longer than {cfg.timeout_ms} ms and was "
-                                "killed", error_type="timeout") from None
-            finally:
-                if proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    await proc.wait()
+            done = await run_capped(argv, cwd=tmp, env={"PATH": path_env},
+                                    timeout_ms=cfg.timeout_ms, cap=cfg.max_output_bytes,
+                                    what="the program",
+                                    preexec=_limits(cfg.cpu_seconds, cfg.memory_mb))
+        code_ = done.exit_code
         result: dict[str, Any] = {
             "ok": code_ == 0, "exit_code": code_,
-            "stdout": out.decode("utf-8", errors="replace"),
-            "stderr": err.decode("utf-8", errors="replace"),
+            "stdout": done.stdout.decode("utf-8", errors="replace"),
+            "stderr": done.stderr.decode("utf-8", errors="replace"),
             "duration_ms": round((time.perf_counter() - t0) * 1000, 1),
         }
         if code_ < 0:
             result["signal"] = signal.Signals(-code_).name
-        if out_cut:
-            result["stdout_cut_bytes"] = out_cut
-        if err_cut:
-            result["stderr_cut_bytes"] = err_cut
+        if done.stdout_cut:
+            result["stdout_cut_bytes"] = done.stdout_cut
+        if done.stderr_cut:
+            result["stderr_cut_bytes"] = done.stderr_cut
         return result
 
     return code_execute

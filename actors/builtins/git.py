@@ -11,13 +11,11 @@ a non-zero exit is a failure carrying git's stderr (seed 003's git-cli).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shlex
 from pathlib import Path
 from typing import Any
 
-from actors.builtins.code import _read_capped
+from actors.builtins.process import run_capped
 from actors.tool import LocalTool, ToolError, tool
 from schemas.errors import ConfigError
 from schemas.manifest import GitConfig
@@ -67,37 +65,21 @@ def _split(command: str, *, read_only: bool) -> list[str]:
 
 
 async def run_git(repo: Path, argv: list[str], cfg: GitConfig, path_env: str) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(
-        "git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
-        *argv, cwd=repo, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    done = await run_capped(
+        ["git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
+         *argv],
+        cwd=str(repo), timeout_ms=cfg.timeout_ms, cap=cfg.max_output_bytes,
+        what=f"git {argv[0]}",
         env={"PATH": path_env, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1",
-             "HOME": str(repo), "LC_ALL": "C"},
-        start_new_session=True,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        async with asyncio.timeout(cfg.timeout_ms / 1000):
-            (out, cut), (err, _) = await asyncio.gather(
-                _read_capped(proc.stdout, cfg.max_output_bytes),
-                _read_capped(proc.stderr, cfg.max_output_bytes))
-            code = await proc.wait()
-    except TimeoutError:
-        raise ToolError(f"git {argv[0]} ran longer than {cfg.timeout_ms} ms and was killed",
-                        error_type="timeout") from None
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-    if code != 0:
-        raise ToolError(f"git {argv[0]} exited with {code}: "
-                        f"{err.decode('utf-8', errors='replace').strip()[:4000]}",
+             "HOME": str(repo), "LC_ALL": "C"})
+    if done.exit_code != 0:
+        raise ToolError(f"git {argv[0]} exited with {done.exit_code}: "
+                        f"{done.stderr.decode('utf-8', errors='replace').strip()[:4000]}",
                         error_type="git_failed")
-    result: dict[str, Any] = {"output": out.decode("utf-8", errors="replace")}
-    if cut:
-        result["cut_bytes"] = cut
-        result["note"] = f"output truncated: {cut} more bytes were cut"
+    result: dict[str, Any] = {"output": done.stdout.decode("utf-8", errors="replace")}
+    if done.stdout_cut:
+        result["cut_bytes"] = done.stdout_cut
+        result["note"] = f"output truncated: {done.stdout_cut} more bytes were cut"
     return result
 
 

@@ -1,0 +1,59 @@
+"""Running a child process for a tool: no shell, no stdin, its own process group (killed
+whole on timeout), stdout and stderr read concurrently and capped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from actors.tool import ToolError
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    stdout_cut: int  # bytes read past the cap and dropped
+    stderr_cut: int
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, int]:
+    kept = bytearray()
+    cut = 0
+    while chunk := await stream.read(65536):
+        room = cap - len(kept)
+        if room > 0:
+            kept += chunk[:room]
+        cut += max(0, len(chunk) - max(room, 0))
+    return bytes(kept), cut
+
+
+async def run_capped(argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
+                     timeout_ms: int, cap: int, what: str,
+                     preexec: Callable[[], None] | None = None) -> Finished:
+    """Run `argv` to completion, or raise `ToolError(timeout)` naming `what`."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env=dict(env), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True, preexec_fn=preexec,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            (out, out_cut), (err, err_cut) = await asyncio.gather(
+                _read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap))
+            code = await proc.wait()
+    except TimeoutError:
+        raise ToolError(f"{what} ran longer than {timeout_ms} ms and was killed",
+                        error_type="timeout") from None
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: kill the whole group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    return Finished(code, out, err, out_cut, err_cut)
