@@ -93,7 +93,8 @@ async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> 
 
         out = run_toolbus("call", "tickets:create_ticket",
                           '{"path": "/tickets", "body": {"title": "printer on fire"}}',
-                          "--session", "m1", "--nats", url)
+                          "--session", "m1", "--nats", url, "--reasoning", "the user said so",
+                          "--output-path", "last.ticket")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["ok"] and result["status"] == 201 and result["data"]["id"] == 1
@@ -119,6 +120,9 @@ async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> 
                 "tickets.create_ticket" in exported.stdout
         replay = run_toolbus("replay", "m1", "--nats", url)
         assert "tickets:create_ticket" in replay.stdout and "turn.completed" in replay.stdout
+        assert "reason: the user said so" in replay.stdout
+        state = json.loads(run_toolbus("state", "m1", "--nats", url).stdout)
+        assert state["data"]["last"]["ticket"]["data"]["id"] == 1
     finally:
         up.stop()
         server.shutdown()
