@@ -28,13 +28,14 @@ from typing import Any
 
 import msgspec
 
-from actors.tool import LocalTool, ResourceScope, ToolError, index_tools, with_pool
+from actors.tool import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, EventLog, decode_stored
 from bus.streams import MAX_EVENT_BYTES, ConsumerSpec
 from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, EXECUTORS_TTL_S, dispatch_filter
+from schemas.errors import ConfigError
 from schemas.events import (
     CallDispatched,
     CallFailed,
@@ -43,7 +44,7 @@ from schemas.events import (
     Event,
 )
 from schemas.ids import check_namespace
-from schemas.tools import DEFAULT_POOL, ExecutorInfo, instance_route, pool_route
+from schemas.tools import DEFAULT_POOL, ExecutorInfo, ToolSpec, instance_route, pool_route
 from schemas.validation import Validator, describe
 
 log = logging.getLogger("toolbus.executor")
@@ -64,8 +65,10 @@ class Executor:
     def __init__(
         self,
         bus: Bus,
-        tools: Iterable[LocalTool],
+        tools: Iterable[RunnableTool],
         *,
+        namespaces: Iterable[str] | None = None,
+        register: bool = True,
         instance: str | None = None,
         pool: str = DEFAULT_POOL,
         ack_wait_s: float = 30.0,
@@ -78,13 +81,14 @@ class Executor:
         self.instance = check_namespace(instance or default_instance_name())
         self._pool = check_namespace(pool)
         self._tools = index_tools(with_pool(t, pool) for t in tools)
-        self._outputs = {name: Validator(t.spec.output) for name, t in self._tools.items()
-                         if t.spec.output is not None}
+        self._register = register
+        self._outputs: dict[str, tuple[ToolSpec, Validator | None]] = {}
         self._resources = ResourceScope(self._tools.values())
         self._ack_wait_s = ack_wait_s
         self._clock = clock
         self._started_at = clock()
-        namespaces = sorted({t.spec.namespace for t in self._tools.values()})
+        namespaces = sorted(set(namespaces) if namespaces is not None
+                            else {t.spec.namespace for t in self._tools.values()})
         # One shared consumer per (pool, namespace): the processes of a pool split its
         # calls. One consumer per (instance, namespace) takes the calls that name this
         # instance with `_instance`; it is removed an hour after the instance is gone.
@@ -107,11 +111,32 @@ class Executor:
         return self._pool
 
     @property
-    def tools(self) -> dict[str, LocalTool]:
+    def tools(self) -> dict[str, RunnableTool]:
         return self._tools
 
+    def set_tools(self, namespace: str, tools: Iterable[RunnableTool]) -> None:
+        """Replace the tools of one namespace (an MCP server's list changed). A call for a
+        tool no longer here fails `unknown_tool`."""
+        for name in [n for n, t in self._tools.items() if t.spec.namespace == namespace]:
+            del self._tools[name]
+        for t in tools:
+            self._tools[t.spec.name] = with_pool(t, self._pool)
+
+    def _output_validator(self, tool: RunnableTool) -> Validator | None:
+        spec = tool.spec
+        hit = self._outputs.get(spec.name)
+        if hit is None or hit[0] is not spec:
+            try:
+                validator = Validator(spec.output) if spec.output is not None else None
+            except ConfigError as exc:  # a remote schema we cannot compile: not checked
+                log.warning("%s: output schema not checked: %s", spec.name, exc)
+                validator = None
+            hit = self._outputs[spec.name] = (spec, validator)
+        return hit[1]
+
     async def start(self) -> None:
-        await self._catalog.register([t.spec for t in self._tools.values()])
+        if self._register:
+            await self._catalog.register([t.spec for t in self._tools.values()])
         await self._resources.__aenter__()
         try:
             for loop in self._loops:
@@ -221,7 +246,7 @@ class Executor:
                 ended = True
         return started, ended
 
-    async def _run(self, d: CallDispatched, tool: LocalTool, delivery: Delivery) -> Event:
+    async def _run(self, d: CallDispatched, tool: RunnableTool, delivery: Delivery) -> Event:
         timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000
         try:
             tool.check_arguments(d.arguments)
@@ -232,7 +257,8 @@ class Executor:
         self.runs += 1
         try:
             async with asyncio.timeout(timeout_s):
-                result: Any = await tool.run(d.arguments, self._resources.values)
+                result: Any = await tool.run(d.arguments, self._resources.values,
+                                             progress=keep_alive.poke)
         except TimeoutError:
             return self._failed(d, "timeout", f"{d.tool} did not finish within {timeout_s:g} s",
                                 retryable=True, duration_ms=_ms(t0))
@@ -250,7 +276,7 @@ class Executor:
             return self._failed(d, "result_not_serializable",
                                 f"{d.tool} returned a value that is not JSON: {exc}",
                                 duration_ms=_ms(t0))
-        validator = self._outputs.get(d.tool)
+        validator = self._output_validator(tool)
         if validator is not None:
             violations = validator.violations(result)
             if violations:
@@ -278,10 +304,18 @@ class _KeepAlive:
         self._loop = asyncio.get_running_loop()
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(interval, self._tick)
         self._task: asyncio.Task[None] | None = None
+        self._last_poke = 0.0
 
     def _tick(self) -> None:
         self._task = self._loop.create_task(self._delivery.in_progress())
         self._handle = self._loop.call_later(self._interval, self._tick)
+
+    def poke(self) -> None:
+        """Progress was reported: ack in-progress now, at most once a second."""
+        now = self._loop.time()
+        if self._handle is not None and now - self._last_poke >= 1.0:
+            self._last_poke = now
+            self._task = self._loop.create_task(self._delivery.in_progress())
 
     def cancel(self) -> None:
         if self._handle is not None:

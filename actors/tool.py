@@ -48,7 +48,7 @@ import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, Protocol, get_type_hints
 
 import msgspec
 import pydantic
@@ -130,7 +130,7 @@ def uses(res: Resource) -> Any:
 class ResourceScope:
     """The open resources of one executor: `async with ResourceScope(tools) as scope`."""
 
-    def __init__(self, tools: Iterable[LocalTool]) -> None:
+    def __init__(self, tools: Iterable[RunnableTool]) -> None:
         self._needed: list[Resource] = []
         for t in tools:
             for res in t.injected.values():
@@ -155,6 +155,21 @@ class ResourceScope:
 
 # --- local tools -------------------------------------------------------------------------
 
+ProgressFn = Callable[[], None]
+
+
+class RunnableTool(Protocol):
+    """What an executor runs: a local function (`LocalTool`) or a remote one (an MCP
+    server's tool, in actors/mcp_connector.py)."""
+
+    @property
+    def spec(self) -> ToolSpec: ...
+    @property
+    def injected(self) -> dict[str, Resource]: ...
+    def check_arguments(self, arguments: dict[str, Any]) -> None: ...
+    async def run(self, arguments: dict[str, Any], resources: dict[Resource, Any] | None = None,
+                  *, progress: ProgressFn | None = None) -> Any: ...
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LocalTool:
@@ -171,7 +186,8 @@ class LocalTool:
         _signature(self.fn).bind(**arguments, **dict.fromkeys(self.injected))
 
     async def run(self, arguments: dict[str, Any],
-                  resources: dict[Resource, Any] | None = None) -> Any:
+                  resources: dict[Resource, Any] | None = None,
+                  *, progress: ProgressFn | None = None) -> Any:
         kwargs = arguments
         if self.args_model is not None:
             model = self.args_model.model_validate(arguments)
@@ -386,9 +402,11 @@ def tool(
     return wrap
 
 
-def with_pool(t: LocalTool, pool: str) -> LocalTool:
-    return LocalTool(msgspec.structs.replace(t.spec, pools=[pool]), t.fn, t.injected,
-                     t.args_model, t.result_adapter)
+def with_pool(t: RunnableTool, pool: str) -> RunnableTool:
+    if isinstance(t, LocalTool):
+        return LocalTool(msgspec.structs.replace(t.spec, pools=[pool]), t.fn, t.injected,
+                         t.args_model, t.result_adapter)
+    return t  # remote tools carry their pool already
 
 
 def load_tools(target: str) -> list[LocalTool]:
@@ -440,8 +458,8 @@ def _dotted_name(path: Path) -> str | None:
     return None
 
 
-def index_tools(tools: Iterable[LocalTool]) -> dict[str, LocalTool]:
-    out: dict[str, LocalTool] = {}
+def index_tools(tools: Iterable[RunnableTool]) -> dict[str, RunnableTool]:
+    out: dict[str, RunnableTool] = {}
     for t in tools:
         if t.spec.name in out and out[t.spec.name] is not t:
             raise ConfigError(f"tool {t.spec.name} is defined twice")

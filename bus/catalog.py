@@ -157,6 +157,17 @@ class Catalog:
                 continue  # someone registered at the same moment: read again
         raise ToolConflictError(spec.name, "a concurrent registration", spec.source)
 
+    async def unregister(self, names: list[str], source: str) -> None:
+        """Remove entries this source registered (a tool an MCP server no longer lists).
+        An entry another source owns by now is left alone."""
+        kv = await self._specs.bucket()
+        for name in names:
+            old, revision = await self._current(kv, catalog_key(name))
+            if old is not None and old.source == source and revision is not None:
+                with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                    await kv.delete(catalog_key(name), last=revision)
+            self._local.pop(name, None)
+
     async def remove(self, name: str) -> bool:
         kv = await self._specs.bucket()
         old, _ = await self._current(kv, catalog_key(name))

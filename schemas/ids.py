@@ -9,7 +9,8 @@ from schemas.errors import InvalidIdError
 
 TOKEN_RULE = "use 1 to 128 characters from A-Z a-z 0-9 _ -"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_TOOL_PART = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# Tool names may also hold dots, which MCP servers use (`files.read`); namespaces may not.
+_TOOL_PART = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 # Rejections of requests whose session id is unusable are stored under this reserved
 # session, since the event subject needs a valid token.
@@ -44,7 +45,7 @@ def split_tool_name(name: object) -> tuple[str, str]:
     ns, tool = name.split(":")
     if not _TOKEN.fullmatch(ns) or not _TOOL_PART.fullmatch(tool):
         raise InvalidIdError(
-            "tool name", name, f"namespace and tool each {TOKEN_RULE}"
+            "tool name", name, f"namespace: {TOKEN_RULE}; tool: the same, dots allowed"
         )
     return ns, tool
 

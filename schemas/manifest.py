@@ -153,6 +153,103 @@ class ToolsSection(_Model):
         return v
 
 
+McpTransport = Literal["streamable-http", "sse", "stdio"]
+_DEFAULT_PATHS = {"streamable-http": "/mcp", "sse": "/sse"}
+
+
+class McpServerConfig(_Model):
+    """One MCP server (seed 000's `mcps` entries, plus seed 003's stdio and SSE)."""
+
+    id: str  # the namespace of its tools
+    transport: McpTransport = "streamable-http"
+    # streamable-http / sse
+    hostname: str | None = None  # with scheme, host only: http://cars-mcp
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    path: str | None = None  # default /mcp (/sse for SSE)
+    api_key: str | None = None  # sent as Authorization: Bearer
+    headers: dict[str, str] = {}
+    # stdio
+    command: str | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}  # merged over the connector's environment
+    cwd: str | None = None
+    # behaviour
+    timeout_ms: Annotated[int, Field(gt=0)] = 30_000  # per call
+    connect_timeout_ms: Annotated[int, Field(gt=0)] = 10_000
+    refresh_s: Annotated[float, Field(gt=0)] = 60.0  # periodic tools/list
+    pool: PoolName = DEFAULT_POOL
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        try:
+            check_namespace(v)
+        except InvalidIdError as exc:
+            raise ValueError(str(exc)) from exc
+        return v
+
+    @field_validator("hostname")
+    @classmethod
+    def _hostname(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = re.fullmatch(r"(https?)://([^/:?#@\s]+|\[[0-9a-fA-F:]+\])(.*)", v)
+        if m is None:
+            raise ValueError(f"hostname {v!r} must start with http:// or https:// and name a "
+                             "host, e.g. http://cars-mcp")
+        rest = m.group(3)
+        if rest.rstrip("/"):
+            what = ("a port (use the port key)" if rest.startswith(":") else
+                    "a query" if rest.startswith("?") else "a path (use the path key)")
+            raise ValueError(f"hostname {v!r} contains {what}; give the scheme and host only")
+        return v.rstrip("/")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError(f"path {v!r} must start with /")
+        return v
+
+    @model_validator(mode="after")
+    def _per_transport(self) -> McpServerConfig:
+        if self.transport == "stdio":
+            if not self.command:
+                raise ValueError(f"mcps {self.id}: a stdio server needs command")
+            wrong = [k for k in ("hostname", "port", "path", "api_key")
+                     if getattr(self, k) is not None]
+            if wrong or self.headers:
+                raise ValueError(f"mcps {self.id}: {', '.join(wrong or ['headers'])} "
+                                 "do not apply to a stdio server")
+        else:
+            if self.hostname is None or self.port is None:
+                raise ValueError(f"mcps {self.id}: a {self.transport} server needs hostname "
+                                 "and port")
+            if self.command is not None or self.args or self.env or self.cwd is not None:
+                raise ValueError(f"mcps {self.id}: command, args, env and cwd apply only to "
+                                 "stdio servers")
+        return self
+
+    @property
+    def url(self) -> str | None:
+        if self.transport == "stdio":
+            return None
+        return f"{self.hostname}:{self.port}{self.path or _DEFAULT_PATHS[self.transport]}"
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        out = dict(self.headers)
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        return out
+
+    def describe(self) -> str:
+        """What is tried to reach it, for errors (never the key)."""
+        if self.transport == "stdio":
+            return f"stdio command {' '.join([self.command or '', *self.args])}"
+        return f"{self.transport} {self.url}"
+
+
 class PoolConfig(_Model):
     description: str = ""
 
@@ -161,6 +258,17 @@ class Manifest(_Model):
     version: Literal[1] = 1
     pools: dict[str, PoolConfig] = {}
     tools: ToolsSection = ToolsSection()
+    mcps: list[McpServerConfig] = []
+
+    @field_validator("mcps")
+    @classmethod
+    def _unique_ids(cls, v: list[McpServerConfig]) -> list[McpServerConfig]:
+        seen: set[str] = set()
+        for m in v:
+            if m.id in seen:
+                raise ValueError(f"two MCP servers have the id {m.id}")
+            seen.add(m.id)
+        return v
 
     @model_validator(mode="after")
     def _pools_declared(self) -> Manifest:
@@ -171,6 +279,7 @@ class Manifest(_Model):
         used = [(f"tools.http[{i}].pool", h.pool) for i, h in enumerate(t.http)]
         used += [(f"tools.{k}.pool", getattr(t, k).pool)
                  for k in ("files", "code", "git", "web_search") if getattr(t, k) is not None]
+        used += [(f"mcps[{i}].pool", m.pool) for i, m in enumerate(self.mcps)]
         for where, pool in used:
             if pool not in declared:
                 raise ValueError(f"{where}: pool {pool!r} is not declared under pools "
@@ -182,7 +291,7 @@ class Manifest(_Model):
         pools = {DEFAULT_POOL} | {h.pool for h in t.http}
         pools |= {getattr(t, k).pool for k in ("files", "code", "git", "web_search")
                   if getattr(t, k) is not None}
-        return sorted(pools)
+        return sorted(pools | {m.pool for m in self.mcps})
 
 
 # --- loading -----------------------------------------------------------------------------
@@ -232,9 +341,9 @@ def with_base_dir(manifest: Manifest, join: Callable[[str], str]) -> Manifest:
         section = getattr(t, key)
         if section is not None:
             changes[key] = section.model_copy(update={attr: join(getattr(section, attr))})
-    if not changes:
-        return manifest
-    return manifest.model_copy(update={"tools": t.model_copy(update=changes)})
+    mcps = [m.model_copy(update={"cwd": join(m.cwd)}) if m.cwd is not None else m
+            for m in manifest.mcps]
+    return manifest.model_copy(update={"tools": t.model_copy(update=changes), "mcps": mcps})
 
 
 def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest") -> Manifest:

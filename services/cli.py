@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_actor_options(p)
 
     p = sub.add_parser("actor", help="run one actor kind alone, to scale it out")
-    p.add_argument("kind", choices=["session", "executor"])
+    p.add_argument("kind", choices=["session", "executor", "mcp"])
+    p.add_argument("--only", action="append", default=[], metavar="ID",
+                   help="mcp: serve only this MCP server of the manifest (repeatable)")
     _add_nats(p)
     _add_actor_options(p)
 
@@ -169,6 +171,7 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 def _actor_settings(args: argparse.Namespace) -> ActorSettings:
     return ActorSettings(tools=tuple(args.tools), manifest=args.manifest, pool=args.pool,
+                         only=tuple(getattr(args, "only", ())),
                          instance=args.instance,
                          ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
 

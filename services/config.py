@@ -26,6 +26,7 @@ def default_data_dir() -> Path:
 class ActorSettings:
     tools: tuple[str, ...] = ()
     manifest: Path | None = None
+    only: tuple[str, ...] = ()  # MCP server ids this connector serves (default: all)
     pool: str = "default"
     instance: str | None = None
     ack_wait_s: float = 30.0

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from actors.builtins import BUILTINS, manifest_tools
 from actors.executor import Executor
+from actors.mcp_connector import McpConnector
 from actors.session import SessionActor
 from actors.tool import LocalTool, load_tools
 from bus.catalog import Catalog
@@ -21,16 +23,32 @@ from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
 from schemas.errors import ConfigError
+from schemas.manifest import McpServerConfig
 from services.config import ActorSettings, load_manifest, subprocess_path, tool_secrets
 
 log = logging.getLogger("toolbus")
 
-ACTOR_KINDS = ("session", "executor")
+ACTOR_KINDS = ("session", "executor", "mcp")
 
 
 class Actor(Protocol):
     async def start(self) -> None: ...
     async def stop(self, grace: float = ...) -> None: ...
+
+
+def mcp_servers(settings: ActorSettings) -> list[McpServerConfig]:
+    """The manifest's MCP servers, narrowed to `--only` ids (each must exist)."""
+    if settings.manifest is None:
+        return []
+    servers = load_manifest(settings.manifest).mcps
+    if not settings.only:
+        return list(servers)
+    known = {s.id for s in servers}
+    missing = [i for i in settings.only if i not in known]
+    if missing:
+        raise ConfigError(f"--only {', '.join(missing)}: the manifest declares MCP servers "
+                          f"{', '.join(sorted(known)) or '(none)'}")
+    return [s for s in servers if s.id in settings.only]
 
 
 def collect_tools(settings: ActorSettings) -> dict[str, list[LocalTool]]:
@@ -77,6 +95,20 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
                 await stop_actors(started)
                 raise
             started.append(executor)
+    if "mcp" in kinds:
+        servers = mcp_servers(settings)
+        if servers:
+            connector = McpConnector(bus, servers, env=os.environ, instance=settings.instance,
+                                     ack_wait_s=settings.ack_wait_s,
+                                     max_in_flight=settings.max_in_flight)
+            try:
+                await connector.start()
+            except BaseException:
+                await stop_actors(started)
+                raise
+            started.append(connector)
+        elif "executors" not in kinds:  # `toolbus actor mcp` with nothing to do
+            raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
     if "session" in kinds:
         catalog = Catalog(bus)
         await catalog.start()
@@ -158,7 +190,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings) -> int:
-    kinds = ["executors", "session"]
+    kinds = ["executors", "mcp", "session"]
     if settings.manifest is not None:
         load_manifest(settings.manifest)  # a bad manifest fails before anything starts
     if nats_url:
@@ -185,6 +217,10 @@ def _banner(url: str, data_dir: Path | None,
             if isinstance(a, Executor):
                 lines.append(f"  executor {a.instance} (pool {a.pool}): "
                              f"{', '.join(sorted(a.tools))}")
+            elif isinstance(a, McpConnector):
+                for sid, link in a.links.items():
+                    names = sorted(n for n in a.tools if n.startswith(f"{sid}:"))
+                    lines.append(f"  mcp {sid} ({link.cfg.describe()}): {', '.join(names)}")
         lines.append("  try:    toolbus call built-in:echo '{\"text\": \"hi\"}' --session demo"
                      + (f" --nats {url}" if url != "nats://127.0.0.1:4222" else ""))
         lines.append("  stop:   Ctrl-C")

@@ -1,0 +1,63 @@
+"""Real MCP servers for tests: services/sample_mcp.py in subprocesses, on free ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from bus.server import free_port
+from tests.conftest import REPO
+
+
+class SampleServer:
+    """`python -m services.sample_mcp` over HTTP (streamable or SSE), killable and
+    restartable on the same port."""
+
+    def __init__(self, transport: str = "streamable-http", *args: str,
+                 port: int | None = None) -> None:
+        self.transport = transport
+        self.args = args
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> SampleServer:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.sample_mcp", "--transport", self.transport,
+             "--port", str(self.port), *self.args],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        async with asyncio.timeout(20):  # until it accepts connections
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                except OSError:
+                    if self.proc.poll() is not None:
+                        raise AssertionError(f"sample MCP server exited ({self.proc.returncode})")
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                await writer.wait_closed()
+                return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            self.kill()
+
+
+def stdio_command(log: Path | None = None) -> dict[str, object]:
+    args = ["-m", "services.sample_mcp", "--transport", "stdio"]
+    if log is not None:
+        args += ["--log", str(log)]
+    return {"transport": "stdio", "command": sys.executable, "args": args, "cwd": str(REPO)}
