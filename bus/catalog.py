@@ -103,6 +103,7 @@ class Catalog:
     """Tool specs and live executors (after `start`), plus registration."""
 
     def __init__(self, bus: Bus) -> None:
+        self._bus = bus
         self._specs = _WatchedBucket(bus, CATALOG_BUCKET, decode_spec)
         self._executors = _WatchedBucket(bus, EXECUTORS_BUCKET, _executor_decoder.decode)
         self._local: dict[str, ToolSpec] = {}
@@ -217,30 +218,33 @@ class Catalog:
 
     async def load(self) -> list[ToolSpec]:
         """A one-shot read of every spec, for CLI listing without a watcher."""
-        specs = await _read_all(await self._specs.bucket(), decode_spec)
+        specs = await self._read_all(CATALOG_BUCKET, decode_spec)
         return sorted(specs, key=lambda s: s.name)
 
     async def load_executors(self) -> list[ExecutorInfo]:
-        infos = await _read_all(await self._executors.bucket(), _executor_decoder.decode)
+        infos = await self._read_all(EXECUTORS_BUCKET, _executor_decoder.decode)
         return sorted(infos, key=lambda i: i.instance)
 
-
-async def _read_all(kv: KeyValue, decode: Callable[[bytes], T]) -> list[T]:
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    out = []
-    for key in keys:
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            entry = await kv.get(key)
-            if not entry.value:
-                continue
-            try:
-                out.append(decode(entry.value))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("%s: entry %s is unreadable; skipped", kv._name, key)
-    return out
+    async def _read_all(self, bucket: str, decode: Callable[[bytes], T]) -> list[T]:
+        # The keys come from the stream's subject index, not from `kv.keys()`: that one
+        # is a watcher whose end-of-data marker can be missed when the newest entry is a
+        # delete, which lists nothing.
+        js = self._bus.js
+        prefix = f"$KV.{bucket}."
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        kv = await js.key_value(bucket)
+        out = []
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix):]
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):  # deleted ones too
+                entry = await kv.get(key)
+                if not entry.value:
+                    continue
+                try:
+                    out.append(decode(entry.value))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    log.warning("%s entry %s is unreadable; skipped", bucket, key)
+        return out
 
 
 _key_cache: dict[str, str | None] = {}

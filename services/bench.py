@@ -63,7 +63,7 @@ async def measure(name: str, op: Callable[[int], Awaitable[None]], *, n: int,
 
 
 @contextlib.asynccontextmanager
-async def _system(nats_url: str | None):  # type: ignore[no-untyped-def]
+async def _system(nats_url: str | None, *up_args: str):  # type: ignore[no-untyped-def]
     """A toolbus to measure: the given one, or an embedded server plus `toolbus up` in a
     separate process (as users run it), torn down afterwards."""
     if nats_url:
@@ -72,7 +72,7 @@ async def _system(nats_url: str | None):  # type: ignore[no-untyped-def]
     with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
         server = EmbeddedServer(Path(tmp), port=free_port()).start()
         proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
-            [sys.executable, "-m", "services.cli", "up", "--nats", server.url],
+            [sys.executable, "-m", "services.cli", "up", "--nats", server.url, *up_args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -162,6 +162,106 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
         print(f"targets: sequential p50 <= 2 ms ({'met' if seq.p50_ms <= 2 else 'MISSED'}), "
               f">= 1000 calls/s with {concurrency} in flight "
               f"({'met' if par.per_s >= 1000 else 'MISSED'}); failures: {failures}")
+    return 0 if failures == 0 else 1
+
+
+# --- MCP --------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _sample_mcp_server():  # type: ignore[no-untyped-def]
+    port = free_port()
+    proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
+        [sys.executable, "-m", "services.sample_mcp", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with asyncio.timeout(20):
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                await writer.wait_closed()
+                break
+        yield port
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = False) -> int:
+    """A tool call through toolbus (request -> session -> connector -> MCP server -> events)
+    next to a direct `mcp.Client.call_tool` on the same server, in the same run."""
+    import mcp  # only this benchmark needs the client directly
+
+    args = {"car_id": "c1"}
+    async with _sample_mcp_server() as port, contextlib.AsyncExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="toolbus-bench-mcp-"))
+        manifest = Path(tmp, "manifest.yaml")
+        manifest.write_text(  # noqa: ASYNC240 - once, before anything is measured
+            f"tools: {{builtins: []}}\nmcps:\n  - id: bench\n"
+            f"    hostname: http://127.0.0.1\n    port: {port}\n")
+        url = await stack.enter_async_context(_system(None, "--manifest", str(manifest)))
+        direct = await stack.enter_async_context(
+            mcp.Client(f"http://127.0.0.1:{port}/mcp", cache=None))
+        bus = await connect(url, name="toolbus-bench")
+        stack.push_async_callback(bus.close)
+        client = ToolbusClient(bus)
+        stack.push_async_callback(client.close)
+        run = os.urandom(3).hex()
+        failures = 0
+
+        async def direct_op(i: int) -> None:
+            nonlocal failures
+            result = await direct.call_tool("describe_car", args)
+            failures += result.is_error
+
+        def toolbus_op(session: Callable[[int], str]) -> Callable[[int], Awaitable[None]]:
+            async def op(i: int) -> None:
+                nonlocal failures
+                end = await client.call(session(i), [{"tool": "bench:describe_car",
+                                                      "arguments": args}], timeout=30)
+                failures += not (isinstance(end, TurnCompleted) and end.ok)
+            return op
+
+        await measure("warm-up", direct_op, n=100, concurrency=4)
+        await measure("warm-up", toolbus_op(lambda i: f"mcp-{run}-w"), n=100, concurrency=4)
+        rows = [
+            await measure("direct mcp.Client.call_tool", direct_op, n=n, concurrency=1),
+            await measure("toolbus call (MCP tool)", toolbus_op(lambda i: f"mcp-{run}-s"),
+                          n=n, concurrency=1),
+            await measure("direct mcp.Client.call_tool", direct_op, n=n,
+                          concurrency=concurrency),
+            await measure("toolbus call (MCP tool)",
+                          toolbus_op(lambda i: f"mcp-{run}-p{i % concurrency}"), n=n,
+                          concurrency=concurrency),
+        ]
+    d_seq, t_seq, d_par, t_par = rows
+    report = {
+        "rows": [{"name": r.name, "n": r.n, "concurrency": r.concurrency,
+                  "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
+                  "per_s": round(r.per_s, 1)} for r in rows],
+        "overhead_p50_ms": round(t_seq.p50_ms - d_seq.p50_ms, 3),
+        "ratio_p50": round(t_seq.p50_ms / d_seq.p50_ms, 2),
+        "throughput_ratio": round(t_par.per_s / d_par.per_s, 3),
+        "failures": failures,
+    }
+    if json_out:
+        print(msgspec.json.encode(report).decode())
+    else:
+        print(f"{'measure':<30} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9}")
+        for r in rows:
+            print(f"{r.name:<30} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
+                  f"{r.per_s:>9.0f}")
+        print(f"\ntoolbus adds {report['overhead_p50_ms']} ms to a sequential MCP call at p50 "
+              f"({report['ratio_p50']}x the direct call); with {concurrency} in flight it "
+              f"runs {report['throughput_ratio']:.0%} of the direct calls/s. "
+              f"Failures: {failures}")
     return 0 if failures == 0 else 1
 
 

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(p)
 
     p = sub.add_parser("bench", help="benchmarks against a raw baseline")
-    p.add_argument("what", choices=["calls", "validation"])
+    p.add_argument("what", choices=["calls", "validation", "mcp"])
     p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
     p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
@@ -145,6 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_tools(url, args))
             case "executors":
                 return _run(_executors(url))
+            case "bench" if args.what == "mcp":
+                from services.bench import bench_mcp
+                return _run(bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
+                                      json_out=args.json))
             case "bench" if args.what == "validation":
                 from services.bench import bench_validation
                 return bench_validation(json_out=args.json)

@@ -78,7 +78,8 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
     if "executor" in kinds or "executors" in kinds:
         by_pool = collect_tools(settings)
         # `toolbus actor executor` serves its own pool; `toolbus up` every pool.
-        pools = sorted(by_pool) if "executors" in kinds else [settings.pool]
+        pools = ([p for p in sorted(by_pool) if by_pool[p]] if "executors" in kinds
+                 else [settings.pool])
         for pool in pools:
             tools = by_pool.get(pool, [])
             if not tools:

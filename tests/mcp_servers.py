@@ -26,7 +26,7 @@ class SampleServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def start(self) -> SampleServer:
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # noqa: ASYNC220  # spawning does not block
             [sys.executable, "-m", "services.sample_mcp", "--transport", self.transport,
              "--port", str(self.port), *self.args],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -36,7 +36,8 @@ class SampleServer:
                     _, writer = await asyncio.open_connection("127.0.0.1", self.port)
                 except OSError:
                     if self.proc.poll() is not None:
-                        raise AssertionError(f"sample MCP server exited ({self.proc.returncode})")
+                        raise AssertionError(
+                            f"sample MCP server exited ({self.proc.returncode})") from None
                     await asyncio.sleep(0.05)
                     continue
                 writer.close()
