@@ -322,6 +322,8 @@ def mcp_spec(cfg: McpServerConfig, tool: mt.Tool) -> ToolSpec | None:
         timeout_ms=cfg.timeout_ms,
         source=f"mcp:{cfg.id}",
         pools=[cfg.pool],
+        trusted=cfg.trusted,
+        annotated=a is not None,
     )
 
 

@@ -2,13 +2,15 @@
 
 Consumes: requests on `toolbus.req.<sid>` (work queue) and every event of every session
 (`toolbus.evt.>`), one session at a time, in stream order.
-Emits: `turn.requested`, `call.requested`, `call.dispatched` / `call.rejected` (it admits
-known tools itself until the approval actor exists), `turn.completed` / `turn.failed`,
-`request.rejected`.
+Emits: `turn.requested`, `call.requested`; `call.dispatched` for calls the approval actor
+approved (or a human granted), under the parallel policy: at most `max_parallel` calls of
+a turn at once, and calls with side effects alone and in order; `call.failed` for denied
+calls; `turn.completed` / `turn.failed`; `request.rejected`.
 Idempotency: every event has a deterministic message id derived from the session, the
-turn or call id and the fact (`<sid>:<call_id>:admission` is shared by `call.dispatched`
-and `call.rejected`, so only one of them can ever be stored). A request without a
-`request_id` gets `auto-<stream seq>`, so its redelivery maps onto the same ids.
+turn or call id and the fact (`<sid>:<call_id>:dispatch`, `<sid>:<turn_id>:ended`; a
+denied call's failure shares `<sid>:<call_id>:terminal` with the executor's outcomes).
+A request without a `request_id` gets `auto-<stream seq>`, so its redelivery maps onto
+the same ids.
 Retry rule: decisions are appended with the per-session concurrency check on their first
 event, the rest pipelined behind it in one round trip; a stale writer re-reads the session
 and decides again (bounded). Events a failed decision may still have stored carry the
@@ -27,11 +29,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import msgspec
 
-from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, EventLog, decode_stored
@@ -48,7 +48,7 @@ from bus.subjects import (
 from schemas.errors import ConcurrencyError, InvalidIdError, InvalidRequestError
 from schemas.events import (
     CallDispatched,
-    CallRejected,
+    CallFailed,
     CallRequested,
     Event,
     RequestRejected,
@@ -61,7 +61,6 @@ from schemas.ids import (
     call_id_for,
     check_session_id,
     is_token,
-    split_tool_name,
     turn_id_for,
 )
 from schemas.requests import (
@@ -70,132 +69,94 @@ from schemas.requests import (
     Request,
     parse_request,
 )
-from schemas.state import SessionState, encode_state, evolve, turn_is_done, turn_outcomes
-from schemas.tools import instance_route
-from schemas.validation import CompiledTools, describe
+from schemas.state import (
+    CallState,
+    SessionState,
+    TurnState,
+    encode_state,
+    evolve,
+    turn_is_done,
+    turn_outcomes,
+)
 
 log = logging.getLogger("toolbus.session")
 
 ACTOR = "session"
 _DECIDE_ATTEMPTS = 8
 
-InstanceLookup = Callable[[str], "frozenset[str] | None"]
-
-
-class CallLike(Protocol):
-    @property
-    def tool(self) -> str: ...
-    @property
-    def arguments(self) -> Any: ...
-    @property
-    def delegate(self) -> str | None: ...
-    @property
-    def instance(self) -> str | None: ...
-
-
-def _no_instances(name: str) -> frozenset[str] | None:
-    return None
-
-
 # --- pure decisions -------------------------------------------------------------------
 
 
-def admit(
-    session_id: str,
-    call_id: str,
-    turn_id: str,
-    call: CallLike,
-    tools: CompiledTools,
-    *,
-    now: float,
-    instances: InstanceLookup = _no_instances,
-) -> CallDispatched | CallRejected:
-    """Dispatch a requested call to its executors, or reject it saying what was wrong.
-
-    The arguments are checked against the tool's JSON Schema here, before anything runs;
-    the dispatched arguments have the schema's defaults filled in.
-    """
-    tool = call.tool
-
-    def reject(reason: str, message: str) -> CallRejected:
-        return CallRejected(session_id=session_id, at=now, actor=ACTOR, call_id=call_id,
-                            turn_id=turn_id, tool=tool, reason=reason, message=message)
-
-    try:
-        split_tool_name(tool)
-    except InvalidIdError as exc:
-        return reject("invalid_tool_name", str(exc))
-    compiled = tools.get(tool)
-    if compiled is None:
-        return reject("unknown_tool",
-                      f"no tool named {tool!r} is registered; `toolbus tools` lists them")
-    spec = compiled.spec
-    arguments = call.arguments
-    if not isinstance(arguments, dict):
-        kind = "an array" if isinstance(arguments, list) else type(arguments).__name__
-        if arguments is None:
-            kind = "null"
-        return reject("invalid_arguments",
-                      f"arguments of {tool} must be a JSON object, got {kind}")
-    if compiled.args is None:
-        return reject("invalid_tool_schema", compiled.error or f"{tool} has no usable schema")
-    arguments, violations = compiled.args.check(arguments)
-    if violations:
-        return reject("invalid_arguments", describe(violations, f"arguments of {tool}"))
-    if call.delegate is not None and call.delegate not in spec.pools:
-        return reject("unknown_pool",
-                      f"_delegate {call.delegate!r}: {tool} runs in pool(s) "
-                      f"{', '.join(spec.pools)}; start an executor with --pool "
-                      f"{call.delegate} that has this tool to use that pool")
-    if call.instance is not None:
-        held = instances(call.instance)
-        if held is None:
-            return reject("unknown_instance",
-                          f"_instance {call.instance!r}: no live executor has that name; "
-                          "`toolbus executors` lists them")
-        if tool not in held:
-            return reject("unknown_instance",
-                          f"_instance {call.instance!r} does not have the tool {tool}")
-        route = instance_route(call.instance, spec.namespace)
-    else:
-        route = spec.route(call.delegate)
-    return CallDispatched(session_id=session_id, at=now, actor=ACTOR, call_id=call_id,
-                          turn_id=turn_id, tool=tool, arguments=arguments, route=route,
-                          timeout_ms=spec.timeout_ms)
-
-
-def admission_append(event: CallDispatched | CallRejected) -> Append:
-    route = event.route if isinstance(event, CallDispatched) else None
-    return Append(event, f"{event.session_id}:{event.call_id}:admission", route)
-
-
-def accept_request(
-    state: SessionState, request: Request, request_id: str, tools: CompiledTools, *,
-    now: float, instances: InstanceLookup = _no_instances,
-) -> list[Append]:
-    """The events that accept a new request: the turn, its calls, and their admission."""
+def accept_request(state: SessionState, request: Request, request_id: str, *,
+                   now: float) -> list[Append]:
+    """The events that accept a new request: the turn and its calls. The approval actor
+    decides each call next; this actor dispatches the approved ones."""
     sid = state.session_id
     turn_id = turn_id_for(request_id)
     call_ids = [call_id_for(turn_id, i) for i in range(len(request.calls))]
     out = [Append(TurnRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
-                                request_id=request_id, call_ids=call_ids),
+                                request_id=request_id, call_ids=call_ids,
+                                agent=request.agent),
                   f"{sid}:{turn_id}:requested")]
-    admissions: list[Append] = []
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,
                                         turn_id=turn_id, tool=call.tool,
                                         arguments=call.arguments, reasoning=call.reasoning,
                                         output_path=call.output_path, delegate=call.delegate,
-                                        instance=call.instance),
+                                        instance=call.instance, agent=request.agent),
                           f"{sid}:{call_id}:requested"))
-        admissions.append(admission_append(
-            admit(sid, call_id, turn_id, call, tools, now=now, instances=instances)))
-    return out + admissions
+    return out
 
 
-def decide(state: SessionState, tools: CompiledTools, *, now: float,
-           instances: InstanceLookup = _no_instances) -> list[Append]:
-    """What is due now for this session: admit calls left requested, end finished turns."""
+def _dispatch(state: SessionState, call: CallState, now: float) -> Append:
+    assert call.route is not None
+    event = CallDispatched(session_id=state.session_id, at=now, actor=ACTOR,
+                           call_id=call.call_id, turn_id=call.turn_id, tool=call.tool,
+                           arguments=call.approved_arguments or {}, route=call.route,
+                           timeout_ms=call.timeout_ms)
+    return Append(event, f"{state.session_id}:{call.call_id}:dispatch", call.route)
+
+
+def _due_in_turn(state: SessionState, turn: TurnState, max_parallel: int,
+                 now: float) -> list[Append]:
+    """Dispatches due in one turn, and failures of denied calls.
+
+    Calls start in the order requested. At most `max_parallel` run at once. A call with
+    side effects runs alone: it starts once every call before it has ended, and no call
+    after it starts before it ends. A call the policy has not decided yet holds back the
+    calls after it, since it may turn out to have side effects.
+    """
+    out: list[Append] = []
+    calls = [state.calls[c] for c in turn.call_ids if c in state.calls]
+    for call in calls:
+        if call.status == "denied":
+            reason = call.decision_note or "denied"
+            out.append(Append(CallFailed(
+                session_id=state.session_id, at=now, actor=ACTOR, call_id=call.call_id,
+                turn_id=call.turn_id, error_type="approval_denied",
+                message=f"{call.tool} was not approved: {reason} (by {call.decided_by})"),
+                f"{state.session_id}:{call.call_id}:terminal"))
+    in_flight = sum(1 for c in calls if c.status in ("dispatched", "running"))
+    all_ended_before = True
+    for call in calls:
+        if call.terminal:
+            continue
+        if call.status == "requested":
+            break  # not decided yet: it may be a barrier
+        if call.side_effect:
+            if call.status == "approved" and all_ended_before:
+                out.append(_dispatch(state, call, now))
+            break  # nothing after a side effect starts before it ends
+        if call.status == "approved" and in_flight < max_parallel:
+            out.append(_dispatch(state, call, now))
+            in_flight += 1
+        all_ended_before = False
+    return out
+
+
+def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Append]:
+    """What is due now for this session: dispatch what may run, fail denied calls, end
+    finished turns."""
     sid = state.session_id
     out: list[Append] = []
     for turn_id in state.open_turns:
@@ -215,11 +176,7 @@ def decide(state: SessionState, tools: CompiledTools, *, now: float,
                                    outcomes=outcomes)
             out.append(Append(ev, f"{sid}:{turn_id}:ended"))
             continue
-        for call_id in turn.call_ids:
-            call = state.calls.get(call_id)
-            if call is not None and call.status == "requested":
-                out.append(admission_append(admit(sid, call_id, turn_id, call, tools, now=now,
-                                                  instances=instances)))
+        out.extend(_due_in_turn(state, turn, max_parallel, now))
     return out
 
 
@@ -252,8 +209,8 @@ class SessionActor:
     def __init__(
         self,
         bus: Bus,
-        catalog: Catalog,
         *,
+        max_parallel: int = 3,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_calls: int = DEFAULT_MAX_CALLS,
         cache_size: int = 10_000,
@@ -261,8 +218,7 @@ class SessionActor:
     ) -> None:
         self._bus = bus
         self._log = EventLog(bus)
-        self._catalog = catalog
-        self._tools = CompiledTools(catalog.get)
+        self._max_parallel = max_parallel
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
@@ -370,8 +326,7 @@ class SessionActor:
         for _ in range(_DECIDE_ATTEMPTS):
             if not entry.is_caught_up:
                 return  # the writes that are coming back will trigger the next decision
-            items = decide(entry.state, self._tools, now=self._clock(),
-                           instances=self._catalog.instance_tools)
+            items = decide(entry.state, now=self._clock(), max_parallel=self._max_parallel)
             if not items:
                 return
             try:
@@ -444,9 +399,7 @@ class SessionActor:
                         await self._log.append(
                             Append(rejected, f"req:{delivery.stream_seq}:rejected"))
                         break
-                items = accept_request(entry.state, request, request_id, self._tools,
-                                       instances=self._catalog.instance_tools,
-                                       now=now)
+                items = accept_request(entry.state, request, request_id, now=now)
                 try:
                     await self._write(entry, items)
                 except ConcurrencyError:

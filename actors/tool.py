@@ -358,14 +358,16 @@ def tool(
     risk_level: RiskLevel | None = None,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
     requires_approval: bool = False,
+    auto_approve: bool = False,
     parameters: dict[str, Any] | None = None,
     output: dict[str, Any] | None = None,
     pool: str | None = None,
     source: str | None = None,
 ) -> Callable[[ToolFn], LocalTool]:
     """Make a function a tool. `destructive` defaults to `not read_only`; `risk_level` to
-    low for read-only tools, medium otherwise. `parameters` / `output` replace the
-    generated schemas when given."""
+    low for read-only tools, medium otherwise. `auto_approve` lets a mutating tool run
+    without a human's approval (read-only tools never need one). `parameters` / `output`
+    replace the generated schemas when given."""
     try:
         split_tool_name(name)
     except ToolbusError as exc:
@@ -393,6 +395,7 @@ def tool(
             risk_level=risk_level or ("low" if read_only else "medium"),
             timeout_ms=timeout_ms,
             requires_approval=requires_approval,
+            auto_approve=auto_approve,
             source=source or f"python:{fn.__module__}",
             pools=[pool or DEFAULT_POOL],
         )

@@ -33,7 +33,7 @@ _CAS_ATTEMPTS = 20
 T = TypeVar("T")
 
 
-class _WatchedBucket(Generic[T]):
+class WatchedBucket(Generic[T]):
     """A live, in-memory copy of one KV bucket, keyed by KV key."""
 
     def __init__(self, bus: Bus, bucket: str, decode: Callable[[bytes], T]) -> None:
@@ -104,8 +104,8 @@ class Catalog:
 
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
-        self._specs = _WatchedBucket(bus, CATALOG_BUCKET, decode_spec)
-        self._executors = _WatchedBucket(bus, EXECUTORS_BUCKET, _executor_decoder.decode)
+        self._specs = WatchedBucket(bus, CATALOG_BUCKET, decode_spec)
+        self._executors = WatchedBucket(bus, EXECUTORS_BUCKET, _executor_decoder.decode)
         self._local: dict[str, ToolSpec] = {}
 
     async def register(self, specs: list[ToolSpec]) -> None:
@@ -218,34 +218,12 @@ class Catalog:
 
     async def load(self) -> list[ToolSpec]:
         """A one-shot read of every spec, for CLI listing without a watcher."""
-        specs = await self._read_all(CATALOG_BUCKET, decode_spec)
+        specs = await read_bucket(self._bus, CATALOG_BUCKET, decode_spec)
         return sorted(specs, key=lambda s: s.name)
 
     async def load_executors(self) -> list[ExecutorInfo]:
-        infos = await self._read_all(EXECUTORS_BUCKET, _executor_decoder.decode)
+        infos = await read_bucket(self._bus, EXECUTORS_BUCKET, _executor_decoder.decode)
         return sorted(infos, key=lambda i: i.instance)
-
-    async def _read_all(self, bucket: str, decode: Callable[[bytes], T]) -> list[T]:
-        # The keys come from the stream's subject index, not from `kv.keys()`: that one
-        # is a watcher whose end-of-data marker can be missed when the newest entry is a
-        # delete, which lists nothing.
-        js = self._bus.js
-        prefix = f"$KV.{bucket}."
-        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-        kv = await js.key_value(bucket)
-        out = []
-        for subject in sorted(info.state.subjects or {}):
-            key = subject[len(prefix):]
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError):  # deleted ones too
-                entry = await kv.get(key)
-                if not entry.value:
-                    continue
-                try:
-                    out.append(decode(entry.value))
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    log.warning("%s entry %s is unreadable; skipped", bucket, key)
-        return out
-
 
 _key_cache: dict[str, str | None] = {}
 
@@ -261,3 +239,26 @@ def _key_or_none(name: str) -> str | None:
         if len(_key_cache) < 100_000:
             _key_cache[name] = key
     return key
+
+
+async def read_bucket(bus: Bus, bucket: str, decode: Callable[[bytes], T]) -> list[T]:
+    """Every live value of a KV bucket, read once.
+
+    The keys come from the stream's subject index, not from `kv.keys()`: that one is a
+    watcher whose end-of-data marker can be missed when the newest entry is a delete, and
+    then it lists nothing."""
+    prefix = f"$KV.{bucket}."
+    info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    kv = await bus.js.key_value(bucket)
+    out = []
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(prefix):]
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):  # deleted ones too
+            entry = await kv.get(key)
+            if not entry.value:
+                continue
+            try:
+                out.append(decode(entry.value))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("%s entry %s is unreadable; skipped", bucket, key)
+    return out

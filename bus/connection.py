@@ -11,7 +11,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from schemas.errors import ConnectError
+from schemas.errors import BusError, BusTimeoutError, ConnectError
 
 log = logging.getLogger("toolbus.bus")
 
@@ -25,6 +25,17 @@ class Bus:
     nc: Client
     js: JetStreamContext
     url: str
+
+    async def request(self, subject: str, data: bytes, *, timeout: float,
+                      who: str = "an actor") -> bytes:
+        """Core request/reply, with NATS errors mapped to ours."""
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(f"no one answers on {subject}: is {who} running?") from exc
+        except nats.errors.TimeoutError as exc:
+            raise BusTimeoutError(f"no answer on {subject} within {timeout:g} s") from exc
+        return bytes(msg.data)
 
     async def close(self) -> None:
         if not self.nc.is_closed:

@@ -125,12 +125,14 @@ class EventLog:
         self._bus = bus
         self._pub = _Publisher(bus)
 
-    async def append(self, item: Append, *, expect_last: int | None = None) -> AppendResult:
+    async def append(self, item: Append, *, expect_last: int | None = None,
+                     expect_subject: str | None = None) -> AppendResult:
         """Store one event, idempotently; returns its stream sequence (the original one,
         flagged `duplicate`, when the message id was already stored).
 
-        With `expect_last`, the append succeeds only if the session's last event is at
-        that sequence (`ConcurrencyError` otherwise). Timeouts and 503s are retried with
+        With `expect_last`, the append succeeds only if the session's last event (or the
+        last on `expect_subject`, a subject filter) is at that sequence (`ConcurrencyError`
+        otherwise). Timeouts and 503s are retried with
         the same message id, so a retry can never store the fact twice.
         """
         event = item.event
@@ -138,9 +140,8 @@ class EventLog:
         headers = {Header.MSG_ID.value: item.msg_id}
         if expect_last is not None:
             headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value] = str(expect_last)
-            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value] = session_filter(
-                event.session_id
-            )
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value] = (
+                expect_subject or session_filter(event.session_id))
         payload = encode_event(event)
         delay = 0.05
         last_error: Exception | None = None

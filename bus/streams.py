@@ -22,6 +22,7 @@ from nats.js.api import (
 
 from bus.connection import Bus
 from bus.subjects import (
+    APPROVALS_BUCKET,
     ARTIFACTS_BUCKET,
     CATALOG_BUCKET,
     EVENTS_PREFIX,
@@ -92,7 +93,7 @@ async def provision(bus: Bus) -> None:
     try:
         await ensure_stream(bus, events_stream_config())
         await ensure_stream(bus, requests_stream_config())
-        for bucket in (CATALOG_BUCKET, SNAPSHOTS_BUCKET):
+        for bucket in (CATALOG_BUCKET, SNAPSHOTS_BUCKET, APPROVALS_BUCKET):
             try:
                 await bus.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:

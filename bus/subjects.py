@@ -16,6 +16,11 @@ EXECUTORS_TTL_S: Final = 15.0
 EVENTS_PREFIX: Final = "toolbus.evt"
 REQUESTS_PREFIX: Final = "toolbus.req"
 STATE_PREFIX: Final = "toolbus.ctl.state"
+# Human decisions: a JSON request on `toolbus.approval.<sid>.<call_id>`.
+APPROVAL_PREFIX: Final = "toolbus.approval"
+# Pending approvals, `<sid>.<call_id>` -> what a human needs to decide; a projection of the
+# event log kept for listing and timeouts.
+APPROVALS_BUCKET: Final = "toolbus_approvals"
 
 
 def event_subject(session_id: str, event_type: str, route: str | None = None) -> str:
@@ -43,3 +48,14 @@ def session_of(subject: str) -> str:
     """`toolbus.evt.<sid>.…` or `toolbus.req.<sid>` -> `<sid>` (the third token)."""
     parts = subject.split(".", 3)
     return parts[2] if len(parts) > 2 else ""
+
+
+def approval_subject(session_id: str, call_id: str) -> str:
+    return f"{APPROVAL_PREFIX}.{session_id}.{call_id}"
+
+
+def approval_decision_filter(session_id: str, call_id: str) -> str:
+    """Every human (or timeout) decision on one call: `approval.granted.<call_id>` and
+    `approval.denied.<call_id>`. Appending with an expected last sequence of 0 on it makes
+    the first decision win."""
+    return f"{EVENTS_PREFIX}.{session_id}.approval.*.{call_id}"

@@ -39,6 +39,7 @@ class TurnRequested(Event, frozen=True, tag="turn.requested"):
     turn_id: str
     request_id: str
     call_ids: list[str]
+    agent: str | None = None  # who asks: tool grants are per agent
 
 
 class CallRequested(Event, frozen=True, tag="call.requested"):
@@ -50,6 +51,7 @@ class CallRequested(Event, frozen=True, tag="call.requested"):
     output_path: str | None = None  # `_outputPath`: where the result goes in `state.data`
     delegate: str | None = None  # `_delegate`: the executor pool asked for
     instance: str | None = None  # `_instance`: the executor instance asked for
+    agent: str | None = None
 
 
 class CallRejected(Event, frozen=True, tag="call.rejected"):
@@ -58,6 +60,55 @@ class CallRejected(Event, frozen=True, tag="call.rejected"):
     tool: str
     reason: str
     message: str
+    rule: str | None = None  # the policy rule that decided it
+
+
+class CallApproved(Event, frozen=True, tag="call.approved"):
+    """The policy lets the call run. Carries what the dispatch needs: the checked
+    arguments (defaults filled in), the route, and whether it has side effects."""
+
+    call_id: str
+    turn_id: str
+    tool: str
+    rule: str
+    arguments: dict[str, Any]
+    route: str
+    timeout_ms: int | None = None
+    side_effect: bool = False
+    risk: int = 0
+
+
+class ApprovalRequested(Event, frozen=True, tag="approval.requested"):
+    """A human must decide (`toolbus approve|deny`, or a message on
+    `toolbus.approval.<sid>.<call_id>`) before `expires_at`."""
+
+    call_id: str
+    turn_id: str
+    tool: str
+    rule: str
+    reason: str
+    arguments: dict[str, Any]
+    route: str
+    expires_at: float
+    timeout_ms: int | None = None
+    side_effect: bool = False
+    risk: int = 0
+
+
+class ApprovalGranted(Event, frozen=True, tag="approval.granted"):
+    call_id: str
+    turn_id: str
+    by: str
+    note: str | None = None
+    rule: str = "human"
+
+
+class ApprovalDenied(Event, frozen=True, tag="approval.denied"):
+    call_id: str
+    turn_id: str
+    by: str
+    reason: str
+    rule: str = "human"  # or "timeout"
 
 
 class CallDispatched(Event, frozen=True, tag="call.dispatched"):
@@ -121,6 +172,10 @@ AnyEvent = (
     TurnRequested
     | CallRequested
     | CallRejected
+    | CallApproved
+    | ApprovalRequested
+    | ApprovalGranted
+    | ApprovalDenied
     | CallDispatched
     | CallStarted
     | CallSucceeded
@@ -134,6 +189,10 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     TurnRequested,
     CallRequested,
     CallRejected,
+    CallApproved,
+    ApprovalRequested,
+    ApprovalGranted,
+    ApprovalDenied,
     CallDispatched,
     CallStarted,
     CallSucceeded,
@@ -177,7 +236,21 @@ def summarize(event: Event) -> str:
             args = _encoder.encode(event.arguments).decode()
             return f"{event.call_id} {event.tool} {_clip(args)}{why}{meta}"
         case CallRejected():
-            return f"{event.call_id} {event.tool} rejected ({event.reason}): {_clip(event.message)}"
+            rule = f" [rule {event.rule}]" if event.rule else ""
+            return (f"{event.call_id} {event.tool} rejected ({event.reason}): "
+                    f"{_clip(event.message)}{rule}")
+        case CallApproved():
+            fx = ", side effects: runs alone" if event.side_effect else ""
+            return (f"{event.call_id} {event.tool} approved [rule {event.rule}] "
+                    f"risk {event.risk}{fx}")
+        case ApprovalRequested():
+            return (f"{event.call_id} {event.tool} needs a human [rule {event.rule}] risk "
+                    f"{event.risk}: {_clip(event.reason)}")
+        case ApprovalGranted():
+            note = f": {_clip(event.note)}" if event.note else ""
+            return f"{event.call_id} approved by {event.by}{note}"
+        case ApprovalDenied():
+            return f"{event.call_id} denied by {event.by} [{event.rule}]: {_clip(event.reason)}"
         case CallDispatched():
             return f"{event.call_id} {event.tool} -> {event.route}"
         case CallStarted():

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from schemas.errors import InvalidIdError, ManifestError
 from schemas.ids import check_namespace, split_tool_name
+from schemas.policy import DEFAULT_SIDE_EFFECT_PATTERNS, Policy
 from schemas.tools import DEFAULT_POOL
 
 HttpMethod = Literal["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"]
@@ -177,6 +178,9 @@ class McpServerConfig(_Model):
     timeout_ms: Annotated[int, Field(gt=0)] = 30_000  # per call
     connect_timeout_ms: Annotated[int, Field(gt=0)] = 10_000
     refresh_s: Annotated[float, Field(gt=0)] = 60.0  # periodic tools/list
+    # An untrusted server's annotations are not believed by the policy: its "read-only"
+    # tools still need approval, and count as risky.
+    trusted: bool = True
     pool: PoolName = DEFAULT_POOL
 
     @field_validator("id")
@@ -250,6 +254,40 @@ class McpServerConfig(_Model):
         return f"{self.transport} {self.url}"
 
 
+class RiskConfig(_Model):
+    block_at: Annotated[int, Field(ge=0, le=10)] | None = None
+    approve_at: Annotated[int, Field(ge=0, le=10)] | None = None
+
+
+class GrantConfig(_Model):
+    tools: list[str]
+
+
+class PolicyConfig(_Model):
+    """schemas/policy.py explains each rule."""
+
+    allow: list[str] = []
+    deny: list[str] = []
+    auto_approve: list[str] = []
+    risk: RiskConfig = RiskConfig()
+    approval_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    agents: dict[str, GrantConfig] = {}
+    sessions: dict[str, GrantConfig] = {}
+    side_effect_patterns: list[str] = list(DEFAULT_SIDE_EFFECT_PATTERNS)
+    max_parallel: Annotated[int, Field(ge=1, le=64)] = 3
+    max_calls_per_turn: Annotated[int, Field(ge=1, le=1024)] = 64
+
+    def to_policy(self) -> Policy:
+        return Policy(allow=tuple(self.allow), deny=tuple(self.deny),
+                      auto_approve=tuple(self.auto_approve), block_at=self.risk.block_at,
+                      approve_at=self.risk.approve_at,
+                      approval_timeout_s=self.approval_timeout_s,
+                      agents={k: tuple(v.tools) for k, v in self.agents.items()},
+                      sessions={k: tuple(v.tools) for k, v in self.sessions.items()},
+                      side_effect_patterns=tuple(self.side_effect_patterns),
+                      max_parallel=self.max_parallel)
+
+
 class PoolConfig(_Model):
     description: str = ""
 
@@ -259,6 +297,7 @@ class Manifest(_Model):
     pools: dict[str, PoolConfig] = {}
     tools: ToolsSection = ToolsSection()
     mcps: list[McpServerConfig] = []
+    policy: PolicyConfig = PolicyConfig()
 
     @field_validator("mcps")
     @classmethod

@@ -1,6 +1,9 @@
 """The request format clients publish to `toolbus.req.<session_id>`.
 
-    {"request_id": "optional, any string", "calls": [{"tool": "ns:tool", "arguments": {...}}]}
+    {"request_id": "optional, any string", "agent": "optional name",
+     "calls": [{"tool": "ns:tool", "arguments": {...}}]}
+
+`agent` names who asks: the policy's per-agent tool grants apply to it.
 
 A call may carry the meta-fields of seed 001 beside `tool`: `_reasoningForCall` (why the
 agent chose it), `_outputPath` (where the result goes in the session's state object),
@@ -38,9 +41,10 @@ class CallInput(msgspec.Struct, frozen=True, kw_only=True):
 class Request(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str | None
     calls: list[CallInput]
+    agent: str | None = None
 
 
-_KNOWN_KEYS: Final = frozenset({"request_id", "calls"})
+_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent"})
 META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance")
 _KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", *META_FIELDS})
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -73,7 +77,8 @@ def parse_request(
     if unknown:
         raise InvalidRequestError(
             "invalid_request",
-            f"unknown field(s) {', '.join(unknown)}; a request has request_id and calls",
+            f"unknown field(s) {', '.join(unknown)}; a request has request_id, calls and "
+            "agent",
         )
     request_id = body.get("request_id")
     if request_id is not None:
@@ -89,6 +94,12 @@ def parse_request(
                 "invalid_request",
                 f"request ids starting with {AUTO_REQUEST_PREFIX!r} are reserved for toolbus",
             )
+    agent = body.get("agent")
+    if agent is not None and not is_token(agent):
+        raise InvalidRequestError(
+            "invalid_request",
+            f"agent {agent!r} is not a valid name: use 1 to 128 characters from A-Z a-z 0-9 _ -",
+        )
     calls = body.get("calls")
     if not isinstance(calls, list):
         raise InvalidRequestError(
@@ -108,7 +119,7 @@ def parse_request(
                 "invalid_request", f"{where} must be an object, got {_json_type(call)}"
             )
         parsed.append(_parse_call(call, where))
-    return Request(request_id=request_id, calls=parsed)
+    return Request(request_id=request_id, calls=parsed, agent=agent)
 
 
 def _parse_call(call: dict[str, Any], where: str) -> CallInput:

@@ -15,6 +15,10 @@ from typing import Any, Literal
 import msgspec
 
 from schemas.events import (
+    ApprovalDenied,
+    ApprovalGranted,
+    ApprovalRequested,
+    CallApproved,
     CallDispatched,
     CallFailed,
     CallOutcome,
@@ -30,7 +34,8 @@ from schemas.events import (
     TurnRequested,
 )
 
-CallStatus = Literal["requested", "rejected", "dispatched", "running", "succeeded", "failed"]
+CallStatus = Literal["requested", "awaiting_approval", "approved", "denied", "rejected",
+                     "dispatched", "running", "succeeded", "failed"]
 TurnStatus = Literal["running", "completed", "failed"]
 TERMINAL_CALL_STATUSES: frozenset[str] = frozenset({"rejected", "succeeded", "failed"})
 
@@ -45,6 +50,19 @@ class CallState(msgspec.Struct, kw_only=True):
     output_path: str | None = None
     delegate: str | None = None
     instance: str | None = None
+    agent: str | None = None
+    # The policy's decision (call.approved / approval.requested / call.rejected), and a
+    # human's (approval.granted / approval.denied).
+    rule: str | None = None
+    risk: int = 0
+    side_effect: bool = False
+    approved_arguments: dict[str, Any] | None = None
+    route: str | None = None
+    timeout_ms: int | None = None
+    approval_reason: str | None = None
+    approval_expires_at: float | None = None
+    decided_by: str | None = None
+    decision_note: str | None = None
     attempts: int = 0
     executor: str | None = None
     result: Any = None
@@ -77,6 +95,7 @@ class TurnState(msgspec.Struct, kw_only=True):
     turn_id: str
     request_id: str
     call_ids: list[str]
+    agent: str | None = None
     status: TurnStatus = "running"
     requested_at: float = 0.0
     finished_at: float | None = None
@@ -112,6 +131,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     turn_id=event.turn_id,
                     request_id=event.request_id,
                     call_ids=list(event.call_ids),
+                    agent=event.agent,
                     requested_at=event.at,
                 )
                 state.open_turns.append(event.turn_id)
@@ -126,17 +146,40 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     output_path=event.output_path,
                     delegate=event.delegate,
                     instance=event.instance,
+                    agent=event.agent,
                     requested_at=event.at,
                 )
         case CallRejected():
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
                 call.status = "rejected"
+                call.rule = event.rule
                 call.error = ErrorInfo(error_type=event.reason, message=event.message)
                 call.finished_at = event.at
-        case CallDispatched():
+        case CallApproved() | ApprovalRequested():
             call = calls.get(event.call_id)
             if call is not None and call.status == "requested":
+                call.status = "approved" if isinstance(event, CallApproved) else \
+                    "awaiting_approval"
+                call.rule = event.rule
+                call.risk = event.risk
+                call.side_effect = event.side_effect
+                call.approved_arguments = event.arguments
+                call.route = event.route
+                call.timeout_ms = event.timeout_ms
+                if isinstance(event, ApprovalRequested):
+                    call.approval_reason = event.reason
+                    call.approval_expires_at = event.expires_at
+        case ApprovalGranted() | ApprovalDenied():
+            call = calls.get(event.call_id)
+            if call is not None and call.status == "awaiting_approval":
+                call.status = "approved" if isinstance(event, ApprovalGranted) else "denied"
+                call.decided_by = event.by
+                call.decision_note = event.note if isinstance(event, ApprovalGranted) else \
+                    event.reason
+        case CallDispatched():
+            call = calls.get(event.call_id)
+            if call is not None and call.status in ("requested", "approved"):
                 call.status = "dispatched"
         case CallStarted():
             call = calls.get(event.call_id)

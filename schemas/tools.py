@@ -57,6 +57,12 @@ class ToolSpec(msgspec.Struct, frozen=True, kw_only=True):
     # they name another with `_delegate`.
     pools: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_POOL])
     title: str | None = None
+    # A mutating tool whose config says it may run without a human (seed 002).
+    auto_approve: bool = False
+    # False for an MCP server declared untrusted: its annotations are not believed.
+    trusted: bool = True
+    # False when the source gave no annotations at all (the defaults above are MCP's).
+    annotated: bool = True
 
     @property
     def namespace(self) -> str:
@@ -124,6 +130,7 @@ def to_tool_schema(spec: ToolSpec) -> dict[str, Any]:
     out["_risk_level"] = spec.risk_level
     out["_timeout_ms"] = spec.timeout_ms
     out["_requires_approval"] = spec.requires_approval
+    out["_auto_approve"] = spec.auto_approve
     out["_source"] = spec.source
     out["_pools"] = list(spec.pools)
     return out
@@ -166,8 +173,9 @@ def from_tool_schema(obj: Any, *, source: str = "local") -> ToolSpec:
     if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms <= 0:
         raise ConfigError(f"{name}: _timeout_ms must be a positive integer, got {timeout_ms!r}")
     approval = body.pop("_requires_approval", False)
-    if not isinstance(approval, bool):
-        raise ConfigError(f"{name}: _requires_approval must be true or false")
+    auto = body.pop("_auto_approve", False)
+    if not isinstance(approval, bool) or not isinstance(auto, bool):
+        raise ConfigError(f"{name}: _requires_approval and _auto_approve are true or false")
     source = body.pop("_source", source)
     pools = body.pop("_pools", [DEFAULT_POOL])
     try:
@@ -186,4 +194,4 @@ def from_tool_schema(obj: Any, *, source: str = "local") -> ToolSpec:
     return ToolSpec(name=name, title=title, description=description, parameters=body,
                     output=output, annotations=annotations, risk_level=risk,
                     timeout_ms=timeout_ms, requires_approval=approval, source=source,
-                    pools=pools)
+                    pools=pools, auto_approve=auto)

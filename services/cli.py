@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
@@ -14,10 +16,12 @@ from typing import Any
 
 import msgspec
 
+from bus.approvals import ApprovalStore
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import connect
 from bus.eventlog import EventLog
+from bus.subjects import approval_subject
 from schemas.errors import ToolbusError
 from schemas.events import RequestRejected, TurnCompleted, TurnFailed, encode_event, summarize
 from schemas.ids import check_session_id, check_tool_name
@@ -61,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_actor_options(p)
 
     p = sub.add_parser("actor", help="run one actor kind alone, to scale it out")
-    p.add_argument("kind", choices=["session", "executor", "mcp"])
+    p.add_argument("kind", choices=["session", "approval", "executor", "mcp"])
     p.add_argument("--only", action="append", default=[], metavar="ID",
                    help="mcp: serve only this MCP server of the manifest (repeatable)")
     _add_nats(p)
@@ -109,6 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("executors", help="live executor instances, their pools and tools")
     _add_nats(p)
 
+    p = sub.add_parser("approvals", help="calls waiting for a human decision")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    _add_nats(p)
+
+    p = sub.add_parser("approve", help="approve a call waiting for a human")
+    p.add_argument("call_id")
+    p.add_argument("--session", default=None, help="needed when the call id is ambiguous")
+    p.add_argument("--note", default=None, help="why, for the record")
+    p.add_argument("--by", default=None, help="who decides (default: $USER)")
+    _add_nats(p)
+
+    p = sub.add_parser("deny", help="deny a call waiting for a human")
+    p.add_argument("call_id")
+    p.add_argument("--reason", required=True, help="why; the model reads it")
+    p.add_argument("--session", default=None, help="needed when the call id is ambiguous")
+    p.add_argument("--by", default=None, help="who decides (default: $USER)")
+    _add_nats(p)
+
     p = sub.add_parser("bench", help="benchmarks against a raw baseline")
     p.add_argument("what", choices=["calls", "validation", "mcp"])
     p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
@@ -145,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_tools(url, args))
             case "executors":
                 return _run(_executors(url))
+            case "approvals":
+                return _run(_approvals(url, args))
+            case "approve" | "deny":
+                return _run(_decide(url, args))
             case "bench" if args.what == "mcp":
                 from services.bench import bench_mcp
                 return _run(bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
@@ -336,6 +362,68 @@ async def _executors(url: str) -> int:
         sys.stdout.write(f"{i.instance}  pool={i.pool}  host={i.host} pid={i.pid}  "
                          f"tools={','.join(i.tools)}\n")
     return EXIT_OK
+
+
+async def _approvals(url: str, args: argparse.Namespace) -> int:
+    bus = await connect(url, name="toolbus-approvals")
+    try:
+        pending = await ApprovalStore(bus).load()
+    finally:
+        await bus.close()
+    now = time.time()
+    if args.json:
+        for p in pending:
+            sys.stdout.write(_json.encode(p).decode() + "\n")
+        return EXIT_OK
+    if not pending:
+        print("no calls are waiting for approval", file=sys.stderr)
+        return EXIT_OK
+    for p in pending:
+        args_text = _json.encode(p.arguments).decode()
+        if len(args_text) > 120:
+            args_text = args_text[:119] + "…"
+        sys.stdout.write(
+            f"{p.call_id}  session={p.session_id}  {p.tool}  risk={p.risk}  "
+            f"age={now - p.requested_at:.0f}s  expires_in={p.expires_at - now:.0f}s\n"
+            f"    arguments: {args_text}\n    why: {p.reason} [rule {p.rule}]\n")
+    return EXIT_OK
+
+
+async def _decide(url: str, args: argparse.Namespace) -> int:
+    by = args.by or os.environ.get("USER") or "cli"
+    body: dict[str, Any] = {"decision": "approve" if args.command == "approve" else "deny",
+                            "by": by}
+    if args.command == "approve" and args.note:
+        body["note"] = args.note
+    if args.command == "deny":
+        body["reason"] = args.reason
+    bus = await connect(url, name="toolbus-decide")
+    try:
+        session = args.session
+        if session is None:
+            matches = [p for p in await ApprovalStore(bus).load() if p.call_id == args.call_id]
+            if not matches:
+                print(f"toolbus: no pending approval for call {args.call_id}; `toolbus "
+                      "approvals` lists them (give --session for one that just expired)",
+                      file=sys.stderr)
+                return EXIT_CALL_FAILED
+            if len(matches) > 1:
+                print(f"toolbus: call id {args.call_id} is pending in several sessions "
+                      f"({', '.join(p.session_id for p in matches)}); add --session",
+                      file=sys.stderr)
+                return EXIT_USAGE
+            session = matches[0].session_id
+        reply = await bus.request(approval_subject(check_session_id(session), args.call_id),
+                                  _json.encode(body), timeout=10,
+                                  who="an approval actor (`toolbus up`)")
+    finally:
+        await bus.close()
+    answer = msgspec.json.decode(reply)
+    if answer.get("ok"):
+        print(f"{args.call_id}: {answer.get('decision')}", file=sys.stderr)
+        return EXIT_OK
+    print(f"toolbus: {answer.get('error')}", file=sys.stderr)
+    return EXIT_CALL_FAILED
 
 
 if __name__ == "__main__":

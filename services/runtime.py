@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from actors.approval import ApprovalActor
 from actors.builtins import BUILTINS, manifest_tools
 from actors.executor import Executor
 from actors.mcp_connector import McpConnector
@@ -23,12 +24,13 @@ from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
 from schemas.errors import ConfigError
-from schemas.manifest import McpServerConfig
+from schemas.manifest import McpServerConfig, PolicyConfig
+from schemas.policy import Policy
 from services.config import ActorSettings, load_manifest, subprocess_path, tool_secrets
 
 log = logging.getLogger("toolbus")
 
-ACTOR_KINDS = ("session", "executor", "mcp")
+ACTOR_KINDS = ("session", "approval", "executor", "mcp")
 
 
 class Actor(Protocol):
@@ -110,17 +112,28 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
             started.append(connector)
         elif "executors" not in kinds:  # `toolbus actor mcp` with nothing to do
             raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
-    if "session" in kinds:
+    policy, max_calls = manifest_policy(settings)
+    if "approval" in kinds:
         catalog = Catalog(bus)
         await catalog.start()
-        session = SessionActor(bus, catalog)
+        approval = ApprovalActor(bus, catalog, policy=policy)
+        await approval.start()
+        started.append(_WithCatalog(approval, catalog))
+    if "session" in kinds:
+        session = SessionActor(bus, max_parallel=policy.max_parallel, max_calls=max_calls)
         await session.start()
-        started.append(_WithCatalog(session, catalog))
+        started.append(session)
     return started
 
 
+def manifest_policy(settings: ActorSettings) -> tuple[Policy, int]:
+    """The manifest's policy (the defaults without one) and its cap on calls per turn."""
+    config = load_manifest(settings.manifest).policy if settings.manifest else PolicyConfig()
+    return config.to_policy(), config.max_calls_per_turn
+
+
 class _WithCatalog:
-    def __init__(self, actor: SessionActor, catalog: Catalog) -> None:
+    def __init__(self, actor: ApprovalActor, catalog: Catalog) -> None:
         self.actor = actor
         self.catalog = catalog
 
@@ -191,7 +204,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings) -> int:
-    kinds = ["executors", "mcp", "session"]
+    kinds = ["executors", "mcp", "approval", "session"]
     if settings.manifest is not None:
         load_manifest(settings.manifest)  # a bad manifest fails before anything starts
     if nats_url:
@@ -213,7 +226,7 @@ def _banner(url: str, data_dir: Path | None,
     where = f"embedded nats-server (pid {pid}) on {url}, data in {data_dir}" if pid else url
 
     def text(actors: list[Actor]) -> str:
-        lines = [f"toolbus is up: {where}", "  actors: session"]
+        lines = [f"toolbus is up: {where}", "  actors: session, approval"]
         for a in actors:
             if isinstance(a, Executor):
                 lines.append(f"  executor {a.instance} (pool {a.pool}): "

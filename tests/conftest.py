@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from actors.approval import ApprovalActor
 from actors.builtins import BUILTINS
 from actors.executor import Executor
 from actors.session import SessionActor
@@ -29,6 +30,7 @@ from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
 from bus.subjects import session_filter
 from schemas.events import Event
+from schemas.policy import Policy
 from schemas.state import encode_state, fold
 
 TESTS = Path(__file__).parent
@@ -56,6 +58,11 @@ async def bus(nats_url: str) -> AsyncIterator[Bus]:
     await b.close()
 
 
+# The test tools that write (append_line, ...) run without a human; the policy tests use
+# their own namespaces and policies.
+TEST_POLICY = Policy(auto_approve=("testing:*", "proc:*", "mcp*:*"), approval_timeout_s=3.0)
+
+
 @pytest.fixture(scope="session")
 async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
     """Session and executor actors in this process, with built-ins and tests/toolkit.py."""
@@ -64,10 +71,13 @@ async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
     await executor.start()
     catalog = Catalog(bus)
     await catalog.start()
-    session = SessionActor(bus, catalog)
+    approval = ApprovalActor(bus, catalog, policy=TEST_POLICY, sweep_interval_s=0.1)
+    await approval.start()
+    session = SessionActor(bus)
     await session.start()
-    yield {"executor": executor, "session": session, "catalog": catalog}
+    yield {"executor": executor, "session": session, "catalog": catalog, "approval": approval}
     await session.stop()
+    await approval.stop()
     await catalog.stop()
     await executor.stop()
 

@@ -70,7 +70,6 @@ def _spec(cfg: HttpToolConfig) -> ToolSpec:
                        "truncated": {"type": "boolean"}},
         "required": ["ok", "status", "url", "data"],
     }
-    mutating = not read_only
     return ToolSpec(
         name=cfg.name,
         description=cfg.description or f"HTTP {'/'.join(methods)} requests"
@@ -86,7 +85,8 @@ def _spec(cfg: HttpToolConfig) -> ToolSpec:
         risk_level="low" if read_only else ("high" if "DELETE" in methods else "medium"),
         # The tool's own timeout fires first with a clear message; this is the backstop.
         timeout_ms=cfg.timeout_ms + 2_000,
-        requires_approval=mutating and not cfg.auto_approve,
+        requires_approval=False,  # mutating calls ask unless auto_approve (the policy)
+        auto_approve=cfg.auto_approve,
         source=f"http:{cfg.name}",
         pools=[cfg.pool],
     )

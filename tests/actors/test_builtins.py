@@ -29,6 +29,7 @@ from schemas.manifest import (
     HttpToolConfig,
     WebSearchConfig,
 )
+from schemas.policy import Policy, evaluate
 from schemas.validation import Validator
 
 PATH = os.environ.get("PATH", "/usr/bin:/bin")
@@ -124,10 +125,17 @@ async def test_http_tool_annotations_follow_the_allowed_methods() -> None:
     assert ro.parameters["properties"]["method"]["enum"] == ["GET", "HEAD"]
     rw = http_tool(HttpToolConfig(name="api:write", allowed_methods=["POST", "DELETE"])).spec
     assert not rw.annotations.readOnlyHint and rw.annotations.destructiveHint
-    assert rw.requires_approval and rw.risk_level == "high"
+    assert rw.risk_level == "high" and not rw.auto_approve
     auto = http_tool(HttpToolConfig(name="api:auto", allowed_methods=["POST"],
                                     auto_approve=True)).spec
-    assert not auto.requires_approval
+    assert auto.auto_approve
+    # What the policy makes of them (seed 002): mutating calls wait for a human unless
+    # the tool's config says auto_approve.
+    policy = Policy()
+    assert evaluate(ro, session_id="s", agent=None, policy=policy).rule == "auto:read_only"
+    assert evaluate(rw, session_id="s", agent=None, policy=policy).rule == "policy:mutating"
+    assert evaluate(auto, session_id="s", agent=None, policy=policy).rule == \
+        "auto:auto_approve"
 
 
 async def test_http_method_outside_allowed_and_relative_path_without_base_are_rejected(

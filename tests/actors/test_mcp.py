@@ -50,7 +50,8 @@ async def servers(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     http = await SampleServer("streamable-http", "--api-key", "k-123", "--page-size", "2",
                               "--log", str(log)).start()
     sse = await SampleServer("sse").start()
-    ids = {"http": f"cars{uid}", "sse": f"sse{uid}", "stdio": f"io{uid}"}
+    # The test policy auto-approves mcp*:* (reserve_car writes).
+    ids = {"http": f"mcpcars{uid}", "sse": f"mcpsse{uid}", "stdio": f"mcpio{uid}"}
     yield {"http": http, "sse": sse, "ids": ids, "log": log, "configs": [
         _http(ids["http"], http, api_key="k-123"),
         _http(ids["sse"], sse),

@@ -23,8 +23,8 @@ async def test_an_explicit_call_runs_and_the_turn_carries_its_result(
     async with EventWatch(bus, sid) as w:
         events = await w.until(lambda evs: bool(of_type(evs, "turn.completed")))
     tags = [type(e).__struct_config__.tag for e in events]
-    assert tags == ["turn.requested", "call.requested", "call.dispatched", "call.started",
-                    "call.succeeded", "turn.completed"]
+    assert tags == ["turn.requested", "call.requested", "call.approved", "call.dispatched",
+                    "call.started", "call.succeeded", "turn.completed"]
     await assert_replay_equals_live(bus, client, sid)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
 import uuid
 from typing import Any
@@ -13,6 +15,7 @@ from actors.tool import load_tools, tool
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus
+from bus.subjects import approval_subject
 from schemas.errors import ConfigError, ToolConflictError
 from schemas.events import TurnCompleted, TurnFailed
 from schemas.tools import ToolSpec
@@ -85,7 +88,17 @@ async def test_sdk_tools_run_with_models_resources_and_output_checks(
         nope = await _call(client, sid, "shipping:quote",
                            {"address": {**addr, "city": "Nice"}}, _delegate=pool)
         assert nope.error.error_type == "no_service"
-        sync = await _call(client, sid, "shipping:label", {"order_id": 7}, _delegate=pool)
+        # shipping:label says requires_approval: it waits for a human, who approves.
+        async with EventWatch(bus, sid) as watch:
+            pending = asyncio.create_task(
+                _call(client, sid, "shipping:label", {"order_id": 7}, _delegate=pool))
+            asked = (await watch.until(lambda evs: bool(of_type(evs, "approval.requested"))))
+        request = of_type(asked, "approval.requested")[-1]
+        assert request.rule == "tool:requires_approval"
+        reply = await bus.request(approval_subject(sid, request.call_id),
+                                  b'{"decision": "approve", "by": "ada"}', timeout=5)
+        assert json.loads(reply) == {"ok": True, "decision": "approved"}
+        sync = await pending
         assert sync.result == {"order_id": 7, "copies": 1}  # default filled in
         broken = await _call(client, sid, "shipping:broken_promise", {}, _delegate=pool)
         assert broken.error.error_type == "output_invalid"

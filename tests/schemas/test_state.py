@@ -8,6 +8,10 @@ from hypothesis import strategies as st
 
 from schemas.events import (
     EVENT_TYPES,
+    ApprovalDenied,
+    ApprovalGranted,
+    ApprovalRequested,
+    CallApproved,
     CallDispatched,
     CallFailed,
     CallOutcome,
@@ -51,7 +55,21 @@ events: st.SearchStrategy[Event] = st.one_of(
               tool=st.just("ns:t"), arguments=json_values,
               reasoning=st.none() | st.text(max_size=10)),
     st.builds(CallRejected, **common, call_id=call_ids, turn_id=turn_ids, tool=st.just("x"),
-              reason=st.text(max_size=5), message=st.text(max_size=10)),
+              reason=st.text(max_size=5), message=st.text(max_size=10),
+              rule=st.none() | st.text(max_size=6)),
+    st.builds(CallApproved, **common, call_id=call_ids, turn_id=turn_ids, tool=st.just("x"),
+              rule=st.sampled_from(["auto:read_only", "auto:auto_approve"]),
+              arguments=st.dictionaries(st.text(max_size=4), json_values, max_size=2),
+              route=st.just("default.ns"), side_effect=st.booleans(), risk=st.integers(0, 10)),
+    st.builds(ApprovalRequested, **common, call_id=call_ids, turn_id=turn_ids,
+              tool=st.just("x"), rule=st.just("policy:mutating"), reason=st.text(max_size=8),
+              arguments=st.dictionaries(st.text(max_size=4), json_values, max_size=2),
+              route=st.just("default.ns"), expires_at=times, side_effect=st.booleans()),
+    st.builds(ApprovalGranted, **common, call_id=call_ids, turn_id=turn_ids,
+              by=st.text(max_size=5), note=st.none() | st.text(max_size=8)),
+    st.builds(ApprovalDenied, **common, call_id=call_ids, turn_id=turn_ids,
+              by=st.text(max_size=5), reason=st.text(max_size=8),
+              rule=st.sampled_from(["human", "timeout"])),
     st.builds(CallDispatched, **common, call_id=call_ids, turn_id=turn_ids, tool=st.just("x"),
               arguments=st.dictionaries(st.text(max_size=4), json_values, max_size=2),
               route=st.just("default.ns"), timeout_ms=st.none() | st.integers(1, 10**6)),
@@ -79,7 +97,7 @@ def test_every_event_round_trips_through_encode_and_decode(event: Event) -> None
 
 def test_every_event_type_is_covered_by_the_strategy() -> None:
     tags = {t.__struct_config__.tag for t in EVENT_TYPES}
-    assert len(tags) == len(EVENT_TYPES) == 10
+    assert len(tags) == len(EVENT_TYPES) == 14
 
 
 @settings(max_examples=300)

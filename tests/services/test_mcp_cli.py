@@ -59,7 +59,7 @@ async def test_connector_processes_for_one_server_share_its_calls(
         bus: Bus, client: ToolbusClient, system: dict[str, Any], nats_url: str,
         tmp_path: Path) -> None:
     cars = await SampleServer().start()
-    ns = f"shared{uuid.uuid4().hex[:6]}"
+    ns = f"mcpshared{uuid.uuid4().hex[:6]}"
     manifest = tmp_path / "m.yaml"
     manifest.write_text(f"mcps:\n  - id: {ns}\n    hostname: http://127.0.0.1\n"
                         f"    port: {cars.port}\n  - id: other{ns}\n    hostname: http://nowhere.invalid\n"

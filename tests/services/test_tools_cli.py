@@ -77,6 +77,16 @@ class _Tickets(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+async def _pending(url: str) -> str:
+    """`toolbus approvals` output once something is pending (bounded)."""
+    async with asyncio.timeout(20):
+        while True:
+            out = await arun("approvals", "--nats", url)
+            if out.stdout.strip():
+                return out.stdout
+            await asyncio.sleep(0.2)  # another process's state: poll the CLI
+
+
 async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Tickets)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -91,10 +101,23 @@ async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> 
         assert "(pool sandbox): built-in:code_execute" in banner
         assert "tickets:create_ticket" in banner and "built-in:git_read" in banner
 
-        out = run_toolbus("call", "tickets:create_ticket",
-                          '{"path": "/tickets", "body": {"title": "printer on fire"}}',
-                          "--session", "m1", "--nats", url, "--reasoning", "the user said so",
-                          "--output-path", "last.ticket")
+        # A POST is mutating and the tool is not auto_approve: the call waits for a human,
+        # who approves it from another process with the CLI.
+        call = asyncio.create_task(arun(
+            "call", "tickets:create_ticket",
+            '{"path": "/tickets", "body": {"title": "printer on fire"}}',
+            "--session", "m1", "--nats", url, "--reasoning", "the user said so",
+            "--output-path", "last.ticket"))
+        pending = await _pending(url)
+        assert "tickets:create_ticket" in pending and "policy:mutating" in pending
+        call_id = pending.split()[0]
+        assert _Tickets.received == []  # nothing ran before the approval
+        ok = await arun("approve", call_id, "--note", "looks fine", "--by", "ops", "--nats", url)
+        assert ok.returncode == 0 and f"{call_id}: approved" in ok.stderr
+        again = await arun("deny", call_id, "--reason", "changed my mind", "--session", "m1",
+                           "--nats", url)
+        assert again.returncode == 1 and "already decided: approved by ops" in again.stderr
+        out = await call
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["ok"] and result["status"] == 201 and result["data"]["id"] == 1

@@ -61,8 +61,10 @@ async def test_toolbus_up_serves_cli_and_raw_clients_and_survives_a_server_kill(
 
         raw = await _raw_client_call(url, "raw1")
         assert [e["type"] for e in raw] == ["turn.requested", "call.requested",
-                                           "call.dispatched", "call.started",
-                                           "call.succeeded", "turn.completed"]
+                                           "call.approved", "call.dispatched",
+                                           "call.started", "call.succeeded",
+                                           "turn.completed"]
+        assert raw[2]["rule"] == "auto:read_only"
         assert raw[-1]["outcomes"][0]["result"] == {"from": "raw"}
 
         bad = run_toolbus("call", "nowhere:tool", "{}", "--session", "demo", "--nats", url)
