@@ -318,7 +318,9 @@ def mcp_spec(cfg: McpServerConfig, tool: mt.Tool) -> ToolSpec | None:
         parameters=tool.input_schema,
         output=tool.output_schema,
         annotations=annotations,
-        risk_level="low" if read_only else ("high" if destructive else "medium"),
+        # The annotations add to the policy's risk score themselves; the level only says
+        # whether the tool reads or writes.
+        risk_level="low" if read_only else "medium",
         timeout_ms=cfg.timeout_ms,
         source=f"mcp:{cfg.id}",
         pools=[cfg.pool],

@@ -84,6 +84,7 @@ class ToolbusClient:
         calls: list[dict[str, Any]],
         *,
         request_id: str | None = None,
+        agent: str | None = None,
         timeout: float = 60.0,
     ) -> TurnEnd:
         """Submit one request and wait (bounded) for how its turn ended."""
@@ -96,7 +97,10 @@ class ToolbusClient:
         watcher.waiting[turn_id] = fut
         try:
             async with asyncio.timeout(timeout):
-                body = msgspec.json.encode({"request_id": request_id, "calls": calls})
+                request: dict[str, Any] = {"request_id": request_id, "calls": calls}
+                if agent is not None:
+                    request["agent"] = agent
+                body = msgspec.json.encode(request)
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
                     found = await self._find_end(session_id, turn_id)

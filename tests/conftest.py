@@ -60,7 +60,14 @@ async def bus(nats_url: str) -> AsyncIterator[Bus]:
 
 # The test tools that write (append_line, ...) run without a human; the policy tests use
 # their own namespaces and policies.
-TEST_POLICY = Policy(auto_approve=("testing:*", "proc:*", "mcp*:*"), approval_timeout_s=3.0)
+TEST_POLICY = Policy(
+    auto_approve=("testing:*", "proc:*", "mcp*:*"),
+    deny=("testing:forbidden*",),
+    block_at=10,
+    approval_timeout_s=3.0,
+    agents={"restricted": ("built-in:*",), "writer": ("approvals:*", "built-in:echo")},
+    sessions={"granted-*": ("built-in:*",)},
+)
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,7 @@ async def quote(address: Address, speed: Literal["standard", "express"] = "stand
     return Quote(city=address.city, price=price, express=speed == "express")
 
 
-@tool("shipping:label", requires_approval=True, risk_level="high")
+@tool("shipping:label", requires_approval=True, risk_level="high", destructive=False)
 def label(order_id: int, copies: int = 1) -> dict[str, object]:
     """Print shipping labels (a sync function: runs in a worker thread)."""
     return {"order_id": order_id, "copies": copies}

@@ -7,6 +7,7 @@ Namespace `testing` is served by the in-process executor of the test session; `p
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from actors.tool import ToolError, tool
@@ -50,3 +51,50 @@ def not_json() -> object:
 @tool("testing:loose", read_only=True, parameters={"type": "object"})
 async def loose(seconds: float) -> dict[str, float]:
     return {"seconds": seconds}
+
+
+# --- for the parallel and side-effect rules -----------------------------------------------
+
+RUNS: list[tuple[str, float, float]] = []  # (label, start, end) of every probe/record run
+
+
+@tool("testing:probe", read_only=True, idempotent=True, timeout_ms=30_000)
+async def probe(label: str, seconds: float = 0.3) -> dict[str, str]:
+    """A slow read-only call that records when it ran."""
+    start = time.monotonic()
+    await asyncio.sleep(seconds)
+    RUNS.append((label, start, time.monotonic()))
+    return {"label": label}
+
+
+@tool("testing:create_record", idempotent=False, timeout_ms=30_000)
+async def create_record(label: str, seconds: float = 0.3) -> dict[str, str]:
+    """A slow call with side effects that records when it ran."""
+    start = time.monotonic()
+    await asyncio.sleep(seconds)
+    RUNS.append((label, start, time.monotonic()))
+    return {"created": label}
+
+
+@tool("testing:dangerous", risk_level="high", destructive=True, idempotent=False)
+async def dangerous() -> str:
+    """Risk 10: blocked by the test policy's block_at."""
+    return "should never run"
+
+
+@tool("testing:forbidden_tool", read_only=True)
+async def forbidden_tool() -> str:
+    return "denied by the test policy"
+
+
+# Namespace `approvals` is not auto-approved by the test policy.
+@tool("approvals:write", idempotent=True, risk_level="medium")
+async def write(text: str) -> dict[str, str]:
+    """A mutating tool: the policy asks a human."""
+    return {"wrote": text}
+
+
+@tool("approvals:write_auto", idempotent=True, auto_approve=True)
+async def write_auto(text: str) -> dict[str, str]:
+    """A mutating tool whose own config says auto_approve."""
+    return {"wrote": text}

@@ -43,7 +43,7 @@ def test_the_decorator_builds_the_schema_from_hints_docstring_and_models() -> No
     assert spec.source == "python:tests.sdk_toolkit"  # the same as `--tools tests.sdk_toolkit`
     label = _sdk()["shipping:label"].spec
     assert label.requires_approval and label.risk_level == "high"
-    assert label.annotations.destructiveHint and label.output is not None
+    assert not label.annotations.destructiveHint and label.output is not None
 
 
 def test_bad_tool_definitions_are_clear_errors() -> None:
