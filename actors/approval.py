@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -154,6 +155,25 @@ class ApprovalActor:
         self._rpc = Responder(bus, f"{APPROVAL_PREFIX}.*.*", self._on_decision,
                               queue="approval")
         self._sweeper: asyncio.Task[None] | None = None
+        # Calls decided inline by the session actor of this process: the consumer acks
+        # them without deciding again.
+        self._inline: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def decide_inline(self, call: CallRequested) -> CallApproved | CallRejected | None:
+        """The decision for a call the session actor in this process is accepting, when no
+        human is needed (None otherwise: those go through the consumer, which records
+        the pending approval)."""
+        decision = decide(call, self._tools, self._policy, now=self._clock(),
+                          instances=self._catalog.instance_tools)
+        return None if isinstance(decision, ApprovalRequested) else decision
+
+    def stored_inline(self, keys: list[tuple[str, str]]) -> None:
+        """The session actor stored these (session, call) decisions: the consumer may skip
+        them. Only after the store succeeded, so a skipped call is never left undecided."""
+        for key in keys:
+            self._inline[key] = None
+        while len(self._inline) > 100_000:
+            self._inline.popitem(last=False)
 
     async def start(self) -> None:
         await self._store.start()
@@ -178,6 +198,11 @@ class ApprovalActor:
         if not isinstance(call, CallRequested):
             log.error("not a call.requested at seq %d: %s", stored.seq, stored.error)
             await delivery.term()
+            return
+        key = (call.session_id, call.call_id)
+        if key in self._inline:
+            del self._inline[key]
+            await delivery.ack()  # decided and stored with the request, in this process
             return
         if delivery.num_delivered > 1 and await self._already_decided(call):
             await delivery.ack()

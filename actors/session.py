@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -47,8 +48,10 @@ from bus.subjects import (
 )
 from schemas.errors import ConcurrencyError, InvalidIdError, InvalidRequestError
 from schemas.events import (
+    CallApproved,
     CallDispatched,
     CallFailed,
+    CallRejected,
     CallRequested,
     Event,
     RequestRejected,
@@ -87,10 +90,26 @@ _DECIDE_ATTEMPTS = 8
 # --- pure decisions -------------------------------------------------------------------
 
 
+InlineApprover = Callable[[CallRequested], "CallApproved | CallRejected | None"]
+
+
+class InlineApproval(Protocol):
+    """The approval actor of this process, asked directly (see `accept_request`)."""
+
+    def decide_inline(self, call: CallRequested) -> CallApproved | CallRejected | None: ...
+    def stored_inline(self, keys: list[tuple[str, str]]) -> None: ...
+
+
 def accept_request(state: SessionState, request: Request, request_id: str, *,
-                   now: float) -> list[Append]:
+                   now: float, approver: InlineApprover | None = None,
+                   max_parallel: int = 3) -> list[Append]:
     """The events that accept a new request: the turn and its calls. The approval actor
-    decides each call next; this actor dispatches the approved ones."""
+    decides each call next; this actor dispatches the approved ones.
+
+    With an `approver` (the approval actor's own decision, when it runs in this process),
+    calls it can settle without a human are decided here, and the ones that may start
+    are dispatched, all in the same round trip: the events and their ids are exactly what
+    the approval actor and `decide` would have written one hop later each."""
     sid = state.session_id
     turn_id = turn_id_for(request_id)
     call_ids = [call_id_for(turn_id, i) for i in range(len(request.calls))]
@@ -105,7 +124,20 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
                                         output_path=call.output_path, delegate=call.delegate,
                                         instance=call.instance, agent=request.agent),
                           f"{sid}:{call_id}:requested"))
-    return out
+    if approver is None:
+        return out
+    decisions = []
+    for item in out[1:]:
+        assert isinstance(item.event, CallRequested)
+        decision = approver(item.event)
+        if decision is not None:
+            decisions.append(Append(decision, f"{sid}:{item.event.call_id}:policy"))
+    out += decisions
+    # Dispatch from a scratch state holding only this turn: the parallel rules are per turn.
+    scratch = SessionState(session_id=sid)
+    for seq, item in enumerate(out, start=1):
+        evolve(scratch, item.event, seq)
+    return out + _due_in_turn(scratch, scratch.turns[turn_id], max_parallel, now)
 
 
 def _dispatch(state: SessionState, call: CallState, now: float) -> Append:
@@ -211,6 +243,7 @@ class SessionActor:
         bus: Bus,
         *,
         max_parallel: int = 3,
+        approval: InlineApproval | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_calls: int = DEFAULT_MAX_CALLS,
         cache_size: int = 10_000,
@@ -219,6 +252,7 @@ class SessionActor:
         self._bus = bus
         self._log = EventLog(bus)
         self._max_parallel = max_parallel
+        self._approval = approval
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
@@ -399,12 +433,19 @@ class SessionActor:
                         await self._log.append(
                             Append(rejected, f"req:{delivery.stream_seq}:rejected"))
                         break
-                items = accept_request(entry.state, request, request_id, now=now)
+                items = accept_request(
+                    entry.state, request, request_id, now=now,
+                    approver=self._approval.decide_inline if self._approval else None,
+                    max_parallel=self._max_parallel)
                 try:
                     await self._write(entry, items)
                 except ConcurrencyError:
                     await self._reread(entry)
                     continue
+                if self._approval is not None:
+                    self._approval.stored_inline([
+                        (sid, i.event.call_id) for i in items
+                        if isinstance(i.event, CallApproved | CallRejected)])
                 # What the request made due at once (a turn whose calls were all
                 # rejected ends now), in case its events were folded right away.
                 await self._decide_and_write(entry)

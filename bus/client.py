@@ -14,7 +14,7 @@ import nats.errors
 from bus.connection import Bus
 from bus.eventlog import EventLog, decode_stored
 from bus.headers import Header
-from bus.subjects import EVENTS_PREFIX, request_subject, state_subject
+from bus.subjects import LIVE_PREFIX, request_subject, state_subject
 from schemas.errors import BusError, BusTimeoutError
 from schemas.events import RequestRejected, TurnCompleted, TurnFailed
 from schemas.ids import check_session_id, turn_id_for
@@ -64,8 +64,8 @@ class ToolbusClient:
         w = _Watcher()
         nc = self.bus.nc
         w.subs = [
-            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.turn.*", cb=w.on_msg),
-            await nc.subscribe(f"{EVENTS_PREFIX}.{session_id}.request.rejected", cb=w.on_msg),
+            await nc.subscribe(f"{LIVE_PREFIX}.{session_id}.turn.*", cb=w.on_msg),
+            await nc.subscribe(f"{LIVE_PREFIX}.{session_id}.request.rejected", cb=w.on_msg),
         ]
         self._watchers[session_id] = w
         if len(self._watchers) > self._max_watched:

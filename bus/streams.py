@@ -15,6 +15,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -29,6 +30,7 @@ from bus.subjects import (
     EVENTS_STREAM,
     EXECUTORS_BUCKET,
     EXECUTORS_TTL_S,
+    LIVE_PREFIX,
     REQUESTS_PREFIX,
     REQUESTS_STREAM,
     SNAPSHOTS_BUCKET,
@@ -51,6 +53,7 @@ def events_stream_config() -> StreamConfig:
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
         max_msg_size=MAX_EVENT_BYTES,
+        republish=RePublish(src=f"{EVENTS_PREFIX}.>", dest=f"{LIVE_PREFIX}.>"),
     )
 
 

@@ -14,6 +14,10 @@ EXECUTORS_BUCKET: Final = "toolbus_executors"
 EXECUTORS_TTL_S: Final = 15.0
 
 EVENTS_PREFIX: Final = "toolbus.evt"
+# Every *stored* event is republished by the server on `toolbus.live.<sid>.<type>...`, in
+# stream order. Watch these, not `toolbus.evt.>`: a core subscription there also sees
+# publishes the stream refused (duplicates, failed concurrency checks).
+LIVE_PREFIX: Final = "toolbus.live"
 REQUESTS_PREFIX: Final = "toolbus.req"
 STATE_PREFIX: Final = "toolbus.ctl.state"
 # Human decisions: a JSON request on `toolbus.approval.<sid>.<call_id>`.
@@ -59,3 +63,7 @@ def approval_decision_filter(session_id: str, call_id: str) -> str:
     `approval.denied.<call_id>`. Appending with an expected last sequence of 0 on it makes
     the first decision win."""
     return f"{EVENTS_PREFIX}.{session_id}.approval.*.{call_id}"
+
+
+def live_filter(session_id: str) -> str:
+    return f"{LIVE_PREFIX}.{session_id}.>"

@@ -113,6 +113,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         elif "executors" not in kinds:  # `toolbus actor mcp` with nothing to do
             raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
     policy, max_calls = manifest_policy(settings)
+    approval: ApprovalActor | None = None
     if "approval" in kinds:
         catalog = Catalog(bus)
         await catalog.start()
@@ -120,7 +121,10 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         await approval.start()
         started.append(_WithCatalog(approval, catalog))
     if "session" in kinds:
-        session = SessionActor(bus, max_parallel=policy.max_parallel, max_calls=max_calls)
+        # With the approval actor in this process, the session actor asks it inline and
+        # saves a bus hop per call; the events are the same.
+        session = SessionActor(bus, max_parallel=policy.max_parallel, max_calls=max_calls,
+                               approval=approval)
         await session.start()
         started.append(session)
     return started

@@ -28,7 +28,7 @@ from bus.connection import Bus, connect
 from bus.eventlog import EventLog, StoredEvent, decode_stored
 from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
-from bus.subjects import session_filter
+from bus.subjects import live_filter
 from schemas.events import Event
 from schemas.policy import Policy
 from schemas.state import encode_state, fold
@@ -120,7 +120,7 @@ class EventWatch:
             self._new.set()
 
         self._live: list[StoredEvent] = []
-        self._sub = await self.bus.nc.subscribe(session_filter(self.session_id), cb=on_msg)
+        self._sub = await self.bus.nc.subscribe(live_filter(self.session_id), cb=on_msg)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -261,4 +261,39 @@ async def test_a_flood_of_bad_arguments_never_reaches_an_executor(
 
 @pytest.fixture(autouse=True)
 def _no_leftover_runs() -> None:
-    _runs().clear()
+    if "toolbus_user_tools_toolkit" in sys.modules:
+        _runs().clear()
+
+
+def test_the_inline_path_writes_the_same_events_in_one_round_trip() -> None:
+    """`toolbus up` runs both actors in one process: the session actor asks the approval
+    decision directly and dispatches in the same batch. Same events, same ids."""
+    from actors.approval import decide
+    from actors.session import accept_request
+    from schemas.requests import parse_request
+    from schemas.state import SessionState
+    from schemas.validation import CompiledTools
+
+    specs = {"built-in:echo": ToolSpec(name="built-in:echo", source="built-in",
+                                       annotations=Annotations(readOnlyHint=True)),
+             "shop:order": ToolSpec(name="shop:order")}
+    tools = CompiledTools(specs.get)
+    policy = Policy()
+    request = parse_request(b'{"calls": [{"tool": "built-in:echo", "arguments": {"a": 1}},'
+                            b' {"tool": "shop:order"}, {"tool": "nope:x"}]}')
+
+    def approver(call):  # what ApprovalActor.decide_inline does
+        d = decide(call, tools, policy, now=5.0)
+        return None if type(d).__struct_config__.tag == "approval.requested" else d
+
+    items = accept_request(SessionState(session_id="s"), request, "r1", now=5.0,
+                           approver=approver)
+    got = [(type(i.event).__struct_config__.tag, i.msg_id) for i in items]
+    assert got == [("turn.requested", "s:r1:requested"),
+                   ("call.requested", "s:r1-0:requested"),
+                   ("call.requested", "s:r1-1:requested"),
+                   ("call.requested", "s:r1-2:requested"),
+                   ("call.approved", "s:r1-0:policy"),   # echo: read-only
+                   ("call.rejected", "s:r1-2:policy"),   # unknown tool
+                   ("call.dispatched", "s:r1-0:dispatch")]
+    # shop:order needs a human: left to the approval actor's consumer, which records it.

@@ -32,7 +32,7 @@ async def _raw_client_call(url: str, sid: str) -> list[dict]:
         if got[-1]["type"] == "turn.completed":
             done.set()
 
-    await nc.subscribe(f"toolbus.evt.{sid}.>", cb=on_event)
+    await nc.subscribe(f"toolbus.live.{sid}.>", cb=on_event)  # stored events, in order
     await nc.publish(f"toolbus.req.{sid}", json.dumps(
         {"calls": [{"tool": "built-in:echo", "arguments": {"from": "raw"}}]}).encode())
     async with asyncio.timeout(10):
