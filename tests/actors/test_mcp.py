@@ -202,3 +202,23 @@ async def test_tool_list_changes_update_the_catalog_and_removed_tools_go(
     await catalog._specs.wait_until(lambda items: f"{ns}.quote_van" not in items, 10)
     gone = await _call(client, sid, f"{ns}:quote_van", {})
     assert gone.status == "rejected" and gone.error.error_type == "unknown_tool"
+
+
+async def test_an_untrusted_servers_read_only_claims_are_not_believed(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        servers: dict[str, Any]) -> None:
+    ns = f"untrusted{uuid.uuid4().hex[:6]}"  # not auto-approved by the test policy
+    c = McpConnector(bus, [_http(ns, servers["sse"], trusted=False)], env={})
+    await c.start()
+    try:
+        await system["catalog"]._specs.wait_until(lambda items: f"{ns}.search_cars" in items, 5)
+        async with EventWatch(bus, sid) as watch:
+            task = asyncio.create_task(_call(client, sid, f"{ns}:search_cars", {}))
+            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
+        asked = of_type(events, "approval.requested")[-1]
+        assert asked.rule == "policy:mutating" and "not believed" in asked.reason
+        assert asked.side_effect and asked.risk == 6  # low 1, +2 +1 +1 as worst case, +1 untrusted
+        out = await task  # the test policy's approval timeout: denied
+        assert out.error.error_type == "approval_denied"
+    finally:
+        await c.stop()
