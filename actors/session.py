@@ -421,8 +421,26 @@ class SessionActor:
                 if not entry.is_caught_up:
                     continue
                 turn_id = turn_id_for(request_id)
-                if turn_id in entry.state.turns:
-                    known = entry.state.turns[turn_id]
+                known = entry.state.turns.get(turn_id)
+                missing = [] if known is None else \
+                    [c for c in known.call_ids if c not in entry.state.calls]
+                if known is not None and missing:
+                    # The turn was stored but some of its calls were not (a crash in the
+                    # middle of the batch): store the missing ones, same ids, and go on.
+                    items = [i for i in accept_request(entry.state, request, request_id,
+                                                       now=now)
+                             if isinstance(i.event, CallRequested)
+                             and i.event.call_id in missing]
+                    log.warning("session %s: turn %s was missing %d call(s); restored",
+                                sid, turn_id, len(items))
+                    try:
+                        await self._write(entry, items)
+                    except ConcurrencyError:
+                        await self._reread(entry)
+                        continue
+                    await self._decide_and_write(entry)
+                    break
+                if known is not None:
                     if known.request_id == request_id:
                         rejected = RequestRejected(
                             session_id=sid, at=now, actor=ACTOR, reason="duplicate_request",

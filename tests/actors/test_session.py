@@ -146,3 +146,24 @@ async def test_the_same_request_id_published_twice_runs_its_calls_once(
         events = await w.until(lambda evs: len(of_type(evs, "call.succeeded")) >= 1)
     assert len([e for e in events if isinstance(e, CallSucceeded)]) == 1
     await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_a_turn_stored_without_its_calls_is_restored_when_the_request_returns(
+    bus: Bus, client: ToolbusClient, sid: str
+) -> None:
+    """A crash between the turn and its calls (one batch, not atomic) leaves a turn whose
+    calls were never stored. The request is redelivered: the missing calls are stored
+    with the same ids and run, instead of the turn hanging forever."""
+    import time
+
+    from bus.eventlog import Append, EventLog
+    from schemas.events import TurnRequested
+
+    turn = TurnRequested(session_id=sid, at=time.time(), actor="session", turn_id="crash1",
+                         request_id="crash1", call_ids=["crash1-0", "crash1-1"])
+    await EventLog(bus).append(Append(turn, f"{sid}:crash1:requested"))
+    end = await client.call(sid, [{"tool": "built-in:echo", "arguments": {"n": 0}},
+                                  {"tool": "built-in:echo", "arguments": {"n": 1}}],
+                            request_id="crash1", timeout=10)
+    assert isinstance(end, TurnCompleted) and end.ok
+    assert [o.result for o in end.outcomes] == [{"n": 0}, {"n": 1}]
