@@ -43,6 +43,19 @@ class Stats:
         return self.n / self.seconds if self.seconds else 0.0
 
 
+def _row_json(r: Stats) -> dict[str, Any]:
+    return {"name": r.name, "n": r.n, "concurrency": r.concurrency,
+            "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
+            "per_s": round(r.per_s, 1)}
+
+
+def _print_rows(rows: list[Stats]) -> None:
+    print(f"{'measure':<30} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9}")
+    for r in rows:
+        print(f"{r.name:<30} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
+              f"{r.per_s:>9.0f}")
+
+
 async def measure(name: str, op: Callable[[int], Awaitable[None]], *, n: int,
                   concurrency: int) -> Stats:
     lat: list[float] = []
@@ -136,9 +149,7 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
     rows = [*floor, seq, par]
     js_seq, js_par, rr_seq, _ = floor
     report = {
-        "rows": [{"name": r.name, "n": r.n, "concurrency": r.concurrency,
-                  "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
-                  "per_s": round(r.per_s, 1)} for r in rows],
+        "rows": [_row_json(r) for r in rows],
         "ratios": {
             "seq_p50_vs_js_publish": round(seq.p50_ms / js_seq.p50_ms, 2),
             "seq_p50_vs_request_reply": round(seq.p50_ms / rr_seq.p50_ms, 2),
@@ -149,10 +160,7 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
     if json_out:
         print(msgspec.json.encode(report).decode())
     else:
-        print(f"{'measure':<30} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9}")
-        for r in rows:
-            print(f"{r.name:<30} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
-                  f"{r.per_s:>9.0f}")
+        _print_rows(rows)
         ratios = report["ratios"]
         assert isinstance(ratios, dict)
         print(f"\nsequential call p50 = {ratios['seq_p50_vs_js_publish']}x one raw JetStream "
@@ -243,9 +251,7 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = Fa
         ]
     d_seq, t_seq, d_par, t_par = rows
     report = {
-        "rows": [{"name": r.name, "n": r.n, "concurrency": r.concurrency,
-                  "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
-                  "per_s": round(r.per_s, 1)} for r in rows],
+        "rows": [_row_json(r) for r in rows],
         "overhead_p50_ms": round(t_seq.p50_ms - d_seq.p50_ms, 3),
         "ratio_p50": round(t_seq.p50_ms / d_seq.p50_ms, 2),
         "throughput_ratio": round(t_par.per_s / d_par.per_s, 3),
@@ -254,10 +260,7 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = Fa
     if json_out:
         print(msgspec.json.encode(report).decode())
     else:
-        print(f"{'measure':<30} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9}")
-        for r in rows:
-            print(f"{r.name:<30} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
-                  f"{r.per_s:>9.0f}")
+        _print_rows(rows)
         print(f"\ntoolbus adds {report['overhead_p50_ms']} ms to a sequential MCP call at p50 "
               f"({report['ratio_p50']}x the direct call); with {concurrency} in flight it "
               f"runs {report['throughput_ratio']:.0%} of the direct calls/s. "
