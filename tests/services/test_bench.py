@@ -27,3 +27,13 @@ def test_bench_validation_reports_the_cost_per_call_next_to_a_json_decode() -> N
     for key in ("json_decode_us", "toolbus_valid_us", "toolbus_invalid_all_violations_us",
                 "fastjsonschema_valid_us", "ratio_to_json_decode"):
         assert report[key] > 0, key
+
+
+def test_bench_mcp_reports_toolbus_next_to_a_direct_mcp_client() -> None:
+    out = run_toolbus("bench", "mcp", "--n", "32", "--concurrency", "4", "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["name"] for r in report["rows"]] == [
+        "direct mcp.Client.call_tool", "toolbus call (MCP tool)"] * 2
+    assert report["failures"] == 0
+    assert set(report) >= {"overhead_p50_ms", "ratio_p50", "throughput_ratio"}
