@@ -3,6 +3,8 @@ formats. Pure functions, no bus."""
 
 from __future__ import annotations
 
+import re
+
 import jsonschema_rs
 import pytest
 from hypothesis import given
@@ -280,3 +282,38 @@ def test_the_composed_schema_accepts_calls_or_output_and_toolbus_reads_the_answe
     req = parse_request(msgspec.json.encode({"calls": answer["calls"]}))
     assert req.calls[0].tool == "shop:order" and req.calls[0].arguments == {"item": {"sku": "A1"}}
     assert req.calls[0].reasoning == "user asked"
+
+
+def test_mcp_entries_follow_seed_000_and_name_what_is_wrong() -> None:
+    m = parse_manifest("""
+mcps:
+  - {id: cars, hostname: "http://cars-mcp", port: 8765, api_key: "${KEY}"}
+  - {id: legacy, transport: sse, hostname: "https://tools.example.com", port: 443,
+     headers: {X-Tenant: acme}}
+  - {id: local, transport: stdio, command: python3, args: [-m, srv], env: {A: "1"}}
+  - {id: custom, hostname: "http://h", port: 1, path: /v2/mcp}
+""", env={"KEY": "s3cret"})
+    cars, legacy, local, custom = m.mcps
+    assert cars.url == "http://cars-mcp:8765/mcp" and cars.transport == "streamable-http"
+    assert cars.http_headers == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in cars.describe()
+    assert legacy.url == "https://tools.example.com:443/sse"
+    assert legacy.http_headers == {"X-Tenant": "acme"}
+    assert local.url is None and local.describe() == "stdio command python3 -m srv"
+    assert custom.url == "http://h:1/v2/mcp"
+    for bad, why in [
+        ("{id: a, hostname: 'http://h/mcp', port: 1}", "contains a path"),
+        ("{id: a, hostname: 'http://h:80', port: 1}", "contains a port"),
+        ("{id: a, hostname: 'http://h?x=1', port: 1}", "contains a query"),
+        ("{id: a, hostname: 'h', port: 1}", "must start with http:// or https://"),
+        ("{id: a, hostname: 'http://h'}", "needs hostname and port"),
+        ("{id: a, transport: stdio}", "needs command"),
+        ("{id: a, transport: stdio, command: x, port: 1}", "do not apply to a stdio server"),
+        ("{id: 'a b', hostname: 'http://h', port: 1}", "invalid tool namespace"),
+        ("{id: a, hostname: 'http://h', port: 70000}", "mcps[0].port"),
+    ]:
+        with pytest.raises(ManifestError, match=re.escape(why)):
+            parse_manifest(f"mcps: [{bad}]", env={})
+    with pytest.raises(ManifestError, match="two MCP servers have the id a"):
+        parse_manifest("mcps: [{id: a, transport: stdio, command: x},"
+                       " {id: a, transport: stdio, command: y}]", env={})
