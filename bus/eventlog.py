@@ -74,6 +74,10 @@ class _UnavailableError(Exception):
     """The stream did not answer (503): no responders, or JetStream is restarting."""
 
 
+_RETRYABLE = (TimeoutError, _UnavailableError, nats.errors.ConnectionReconnectingError,
+              nats.errors.OutboundBufferLimitError)
+
+
 class _Publisher:
     """JetStream publish with acks on one wildcard inbox, matched by a counter token.
 
@@ -102,8 +106,9 @@ class _Publisher:
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
-    async def publish(self, subject: str, payload: bytes, headers: dict[str, str],
-                      timeout: float) -> _PubAck:
+    async def send(self, subject: str, payload: bytes,
+                   headers: dict[str, str]) -> tuple[str, asyncio.Future[Msg]]:
+        """Publish; the future resolves with the ack. Sends in call order."""
         await self._ensure()
         self._next += 1
         reply = f"{self._prefix}.{self._next}"
@@ -111,19 +116,53 @@ class _Publisher:
         self._waiting[reply] = fut
         try:
             await self._nc.publish(subject, payload, reply=reply, headers=headers)
-            async with asyncio.timeout(timeout):
-                msg = await fut
+        except BaseException:
+            self._waiting.pop(reply, None)
+            raise
+        return reply, fut
+
+    async def wait(self, subject: str, sent: tuple[str, asyncio.Future[Msg]],
+                   timeout: float) -> _PubAck:
+        reply, fut = sent
+        try:
+            msg = await asyncio.wait_for(fut, timeout)
         finally:
             self._waiting.pop(reply, None)
         if not msg.data and msg.headers and msg.headers.get(Header.STATUS.value) == "503":
             raise _UnavailableError(subject)
         return _ack_decoder.decode(msg.data)
 
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str],
+                      timeout: float) -> _PubAck:
+        return await self.wait(subject, await self.send(subject, payload, headers), timeout)
+
 
 class EventLog:
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
         self._pub = _Publisher(bus)
+
+    @staticmethod
+    def _prepare(item: Append, expect_last: int | None,
+                 expect_subject: str | None) -> tuple[str, bytes, dict[str, str]]:
+        event = item.event
+        subject = event_subject(event.session_id, event_type(event), item.route)
+        headers = {Header.MSG_ID.value: item.msg_id}
+        if expect_last is not None:
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value] = str(expect_last)
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value] = (
+                expect_subject or session_filter(event.session_id))
+        return subject, encode_event(event), headers
+
+    @staticmethod
+    def _result(subject: str, ack: _PubAck, expect_last: int | None) -> AppendResult:
+        if ack.error is None:
+            return AppendResult(ack.seq, ack.duplicate)
+        code = int(ack.error.get("err_code", 0))
+        description = str(ack.error.get("description", ""))
+        if code == _WRONG_LAST_SEQUENCE:
+            raise ConcurrencyError(subject, expect_last or 0, description)
+        raise AppendError(subject, f"{description} (code {code})")
 
     async def append(self, item: Append, *, expect_last: int | None = None,
                      expect_subject: str | None = None) -> AppendResult:
@@ -132,35 +171,21 @@ class EventLog:
 
         With `expect_last`, the append succeeds only if the session's last event (or the
         last on `expect_subject`, a subject filter) is at that sequence (`ConcurrencyError`
-        otherwise). Timeouts and 503s are retried with
-        the same message id, so a retry can never store the fact twice.
+        otherwise). Timeouts and 503s are retried with the same message id, so a retry can
+        never store the fact twice.
         """
-        event = item.event
-        subject = event_subject(event.session_id, event_type(event), item.route)
-        headers = {Header.MSG_ID.value: item.msg_id}
-        if expect_last is not None:
-            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value] = str(expect_last)
-            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value] = (
-                expect_subject or session_filter(event.session_id))
-        payload = encode_event(event)
+        subject, payload, headers = self._prepare(item, expect_last, expect_subject)
         delay = 0.05
         last_error: Exception | None = None
         for _ in range(_APPEND_ATTEMPTS):
             try:
                 ack = await self._pub.publish(subject, payload, headers, _APPEND_TIMEOUT_S)
-            except (TimeoutError, _UnavailableError, nats.errors.ConnectionReconnectingError,
-                    nats.errors.OutboundBufferLimitError) as exc:
+            except _RETRYABLE as exc:
                 last_error = exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
-            if ack.error is None:
-                return AppendResult(ack.seq, ack.duplicate)
-            code = int(ack.error.get("err_code", 0))
-            description = str(ack.error.get("description", ""))
-            if code == _WRONG_LAST_SEQUENCE:
-                raise ConcurrencyError(subject, expect_last or 0, description)
-            raise AppendError(subject, f"{description} (code {code})")
+            return self._result(subject, ack, expect_last)
         raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
                                    f"{type(last_error).__name__}: {last_error}")
 
@@ -168,22 +193,39 @@ class EventLog:
         self, items: Sequence[Append], *, expect_last: int | None
     ) -> list[AppendResult]:
         """Store the events of one decision: the first under the concurrency check, the
-        rest pipelined once it holds. Returns their results in order."""
-        if not items:
-            return []
-        # All are sent at once, in order on one connection; only the first is checked.
-        # If that check fails, the others may still be stored: harmless, because a
-        # decision's events have deterministic ids and the re-decision after a re-read
-        # writes the same ids (deduplicated) and the reducer accepts either order.
-        results = await asyncio.gather(
-            self.append(items[0], expect_last=expect_last),
-            *(self.append(i) for i in items[1:]),
-            return_exceptions=True,
-        )
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return [r for r in results if isinstance(r, AppendResult)]
+        rest pipelined behind it. Returns their results in order."""
+        # All are sent at once, in order on one connection, then their acks are awaited;
+        # only the first is checked. If that check fails, the others may still be stored:
+        # harmless, because a decision's events have deterministic ids and the
+        # re-decision after a re-read writes the same ids (deduplicated) and the reducer
+        # accepts either order.
+        prepared = [self._prepare(item, expect_last if i == 0 else None, None)
+                    for i, item in enumerate(items)]
+        sent: list[tuple[str, asyncio.Future[Msg]] | None] = []
+        for subject, payload, headers in prepared:
+            try:
+                sent.append(await self._pub.send(subject, payload, headers))
+            except _RETRYABLE:
+                sent.append(None)  # sent again below, with the same message id
+        results: list[AppendResult] = []
+        failure: AppendError | None = None
+        for i, (item, (subject, _, _), one) in enumerate(zip(items, prepared, sent,
+                                                            strict=True)):
+            expect = expect_last if i == 0 else None
+            try:
+                if one is not None:
+                    try:
+                        ack = await self._pub.wait(subject, one, _APPEND_TIMEOUT_S)
+                        results.append(self._result(subject, ack, expect))
+                        continue
+                    except _RETRYABLE:
+                        pass
+                results.append(await self.append(item, expect_last=expect))
+            except AppendError as exc:  # ConcurrencyError included: raised after the rest
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return results
 
     async def read_session(
         self,
