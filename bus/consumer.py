@@ -162,13 +162,13 @@ class PullLoop:
         self._outstanding = max(0, self._outstanding - 1)
         if self._stopping:
             return  # not acked: redelivered to another process after ack_wait
-        md = msg.metadata
+        stream_seq, num_delivered, timestamp_ns = ack_metadata(msg)
         delivery = Delivery(
             subject=msg.subject,
             data=msg.data,
-            stream_seq=md.sequence.stream,
-            num_delivered=md.num_delivered,
-            timestamp_ns=int(md.timestamp.timestamp() * 1e9) if md.timestamp else 0,
+            stream_seq=stream_seq,
+            num_delivered=num_delivered,
+            timestamp_ns=timestamp_ns,
             _msg=msg,
         )
         self._in_flight += 1
@@ -204,3 +204,20 @@ class PullLoop:
             self._in_flight -= 1
             if self._max - self._in_flight - self._outstanding >= self._max // 2:
                 self._wake.set()
+
+
+def ack_metadata(msg: Msg) -> tuple[int, int, int]:
+    """(stream sequence, delivery count, timestamp ns) from a JetStream message's reply
+    subject, read directly: nats-py's `msg.metadata` builds a datetime for every message.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>`, or with
+    `<domain>.<account hash>` after `ACK` (and a trailing token) on newer servers.
+    """
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9 and tokens[1] == "ACK":
+        return int(tokens[5]), int(tokens[4]), int(tokens[7])
+    if len(tokens) >= 11 and tokens[1] == "ACK":
+        return int(tokens[7]), int(tokens[6]), int(tokens[9])
+    md = msg.metadata
+    ts = int(md.timestamp.timestamp() * 1e9) if md.timestamp else 0
+    return md.sequence.stream, md.num_delivered, ts

@@ -83,3 +83,18 @@ async def test_reading_a_session_is_ordered_complete_and_leaves_no_consumer(
 
 async def test_reading_an_unknown_session_is_empty(bus: Bus) -> None:
     assert await EventLog(bus).read_session("never-used") == []
+
+
+def test_ack_metadata_is_read_from_both_reply_subject_forms() -> None:
+    from nats.aio.msg import Msg
+
+    from bus.consumer import ack_metadata
+
+    old = Msg(_client=None, subject="s", reply="$JS.ACK.EV.c1.3.42.7.1700000000000000000.5")
+    new = Msg(_client=None, subject="s",
+              reply="$JS.ACK._.ACCHASH.EV.c1.2.43.8.1700000000000000001.0.rnd")
+    assert ack_metadata(old) == (42, 3, 1700000000000000000)
+    assert ack_metadata(new) == (43, 2, 1700000000000000001)
+    for m in (old, new):  # the same as nats-py's own parse
+        md = m.metadata
+        assert ack_metadata(m)[:2] == (md.sequence.stream, md.num_delivered)
