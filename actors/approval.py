@@ -204,27 +204,35 @@ class ApprovalActor:
             del self._inline[key]
             await delivery.ack()  # decided and stored with the request, in this process
             return
-        if delivery.num_delivered > 1 and await self._already_decided(call):
-            await delivery.ack()
-            return
-        decision = decide(call, self._tools, self._policy, now=self._clock(),
-                          instances=self._catalog.instance_tools)
-        await self._log.append(Append(decision, f"{call.session_id}:{call.call_id}:policy"))
+        stored_decision = None
+        if delivery.num_delivered > 1:
+            stored_decision = await self._stored_decision(call)
+        if stored_decision is None:
+            decision = decide(call, self._tools, self._policy, now=self._clock(),
+                              instances=self._catalog.instance_tools)
+            await self._log.append(Append(decision,
+                                          f"{call.session_id}:{call.call_id}:policy"))
+        else:
+            decision = stored_decision  # a redelivery: only finish what may be missing
         if isinstance(decision, ApprovalRequested):
-            await self._store.put(PendingApproval(
-                session_id=call.session_id, call_id=call.call_id, turn_id=call.turn_id,
-                tool=call.tool, arguments=decision.arguments, rule=decision.rule,
-                reason=decision.reason, risk=decision.risk, requested_at=decision.at,
-                expires_at=decision.expires_at))
+            _, decided = await self._approval_history(call.session_id, call.call_id) \
+                if stored_decision is not None else (None, None)
+            if decided is None:
+                await self._store.put(PendingApproval(
+                    session_id=call.session_id, call_id=call.call_id, turn_id=call.turn_id,
+                    tool=call.tool, arguments=decision.arguments, rule=decision.rule,
+                    reason=decision.reason, risk=decision.risk, requested_at=decision.at,
+                    expires_at=decision.expires_at))
         await delivery.ack()
 
-    async def _already_decided(self, call: CallRequested) -> bool:
+    async def _stored_decision(self, call: CallRequested
+                               ) -> CallApproved | ApprovalRequested | CallRejected | None:
         for stored in await self._log.read_session(call.session_id):
             ev = stored.event
             if isinstance(ev, CallApproved | ApprovalRequested | CallRejected) and \
                     ev.call_id == call.call_id:
-                return True
-        return False
+                return ev
+        return None
 
     # -- human decisions and timeouts
 
