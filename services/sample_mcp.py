@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,6 +122,11 @@ def build(*, page_size: int | None = None, log: Path | None = None,
         server.remove_tool(f"quote_{name}")
         await ctx.notify_tools_changed()
         return f"removed quote_{name}"
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True))
+    def environment(names: list[str]) -> dict[str, str | None]:
+        """The values of some environment variables of this server process."""
+        return {n: os.environ.get(n) for n in names}
 
     for i in range(extra_tools):
         def extra(n: int = i) -> int:

@@ -22,8 +22,8 @@ from schemas.manifest import McpServerConfig
 from tests.conftest import EventWatch, of_type
 from tests.mcp_servers import SampleServer, stdio_command
 
-SAMPLE_TOOLS = ["add_model", "describe_car", "fleet_report", "reserve_car", "retire_model",
-                "search_cars"]
+SAMPLE_TOOLS = ["add_model", "describe_car", "environment", "fleet_report", "reserve_car",
+                "retire_model", "search_cars"]
 
 
 def _cfg(id_: str, **kw: Any) -> McpServerConfig:
@@ -55,7 +55,7 @@ async def servers(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     yield {"http": http, "sse": sse, "ids": ids, "log": log, "configs": [
         _http(ids["http"], http, api_key="k-123"),
         _http(ids["sse"], sse),
-        _cfg(ids["stdio"], **stdio_command()),
+        _cfg(ids["stdio"], **stdio_command(), env={"TENANT": "acme", "SHARED": "server"}),
     ]}
     http.stop()
     sse.stop()
@@ -64,7 +64,8 @@ async def servers(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
 @pytest.fixture
 async def connector(bus: Bus, system: dict[str, Any],
                     servers: dict[str, Any]) -> AsyncIterator[McpConnector]:
-    c = McpConnector(bus, servers["configs"], env={"PATH": "/usr/bin:/bin"},
+    c = McpConnector(bus, servers["configs"],
+                     env={"PATH": "/usr/bin:/bin", "FROM_PARENT": "yes", "SHARED": "parent"},
                      instance=f"mcp-{uuid.uuid4().hex[:6]}", ack_wait_s=1.0)
     await c.start()
     catalog: Catalog = system["catalog"]
@@ -100,6 +101,15 @@ async def test_every_transport_registers_the_tools_verbatim_and_serves_calls(
         assert "no car nope" in err.error.message  # the server's own text
         bad = await _call(client, sid, f"{ns}:search_cars", {"max_price": "cheap"})
         assert bad.status == "rejected" and "$.max_price" in bad.error.message
+
+
+async def test_a_stdio_servers_env_is_merged_over_the_connectors(
+        connector: McpConnector, servers: dict[str, Any], client: ToolbusClient,
+        sid: str) -> None:
+    ns = servers["ids"]["stdio"]
+    out = await _call(client, sid, f"{ns}:environment",
+                      {"names": ["TENANT", "FROM_PARENT", "SHARED"]})
+    assert out.result == {"TENANT": "acme", "FROM_PARENT": "yes", "SHARED": "server"}
 
 
 async def test_the_bearer_key_is_sent_and_a_wrong_one_fails_start_up(
