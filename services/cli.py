@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=4222, help="embedded server port (default 4222)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="embedded server data folder (default: the user data dir)")
+    p.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="serve the HTTP gateway on 127.0.0.1:PORT (default: off)")
     _add_actor_options(p)
 
     p = sub.add_parser("actor", help="run one actor kind alone, to scale it out")
@@ -202,6 +204,7 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 def _actor_settings(args: argparse.Namespace) -> ActorSettings:
     return ActorSettings(tools=tuple(args.tools), manifest=args.manifest, pool=args.pool,
                          only=tuple(getattr(args, "only", ())),
+                         http_port=getattr(args, "http_port", None),
                          instance=args.instance,
                          ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
 

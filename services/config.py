@@ -27,6 +27,7 @@ class ActorSettings:
     tools: tuple[str, ...] = ()
     manifest: Path | None = None
     only: tuple[str, ...] = ()  # MCP server ids this connector serves (default: all)
+    http_port: int | None = None  # the HTTP gateway (services/gateway.py), off if None
     pool: str = "default"
     instance: str | None = None
     ack_wait_s: float = 30.0

@@ -173,9 +173,12 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
     _stop_on_signals(stop)
     exit_code = 0
     actors: list[Actor] = []
+    gateway: _Gateway | None = None
     try:
         await provision(bus)
         actors = await start_actors(bus, kinds, settings)
+        if settings.http_port is not None:
+            gateway = await start_gateway(bus, settings.http_port)
         if banner:
             print(banner if isinstance(banner, str) else banner(actors), flush=True)
         while not stop.is_set():
@@ -190,9 +193,40 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
                     exit_code = 1
                     break
     finally:
+        if gateway is not None:
+            await gateway.stop()
         await stop_actors(actors)
         await bus.close()
     return exit_code
+
+
+class _Gateway:
+    def __init__(self, server: Any, task: asyncio.Task[None]) -> None:
+        self.server = server
+        self.task = task
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 5)
+
+
+async def start_gateway(bus: Bus, port: int) -> _Gateway:
+    """The HTTP gateway on 127.0.0.1:`port`, in this event loop."""
+    import uvicorn  # only when asked for
+
+    from services.gateway import build_app
+
+    server = uvicorn.Server(uvicorn.Config(build_app(bus), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(), name="http-gateway")
+    async with asyncio.timeout(10):
+        while not server.started:
+            if task.done():
+                task.result()  # raises why it could not start
+                raise ConfigError(f"the HTTP gateway could not listen on port {port}")
+            await asyncio.sleep(0.02)
+    return _Gateway(server, task)
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -212,21 +246,21 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
     if settings.manifest is not None:
         load_manifest(settings.manifest)  # a bad manifest fails before anything starts
     if nats_url:
-        banner = _banner(nats_url, None, None)
+        banner = _banner(nats_url, None, None, settings)
         return _run(run_actors(nats_url, kinds, settings, banner=banner))
     server = EmbeddedServer(data_dir, port=port)
     server.preexec = _die_with_parent if sys.platform.startswith("linux") else None
     server.start()
     try:
         assert server.process is not None
-        banner = _banner(server.url, data_dir, server.process.pid)
+        banner = _banner(server.url, data_dir, server.process.pid, settings)
         return _run(run_actors(server.url, kinds, settings, server=server, banner=banner))
     finally:
         server.stop()
 
 
-def _banner(url: str, data_dir: Path | None,
-            pid: int | None) -> Callable[[list[Actor]], str]:
+def _banner(url: str, data_dir: Path | None, pid: int | None,
+            settings: ActorSettings) -> Callable[[list[Actor]], str]:
     where = f"embedded nats-server (pid {pid}) on {url}, data in {data_dir}" if pid else url
 
     def text(actors: list[Actor]) -> str:
@@ -241,6 +275,9 @@ def _banner(url: str, data_dir: Path | None,
                     lines.append(f"  mcp {sid} ({link.cfg.describe()}): {', '.join(names)}")
         lines.append("  try:    toolbus call built-in:echo '{\"text\": \"hi\"}' --session demo"
                      + (f" --nats {url}" if url != "nats://127.0.0.1:4222" else ""))
+        if settings.http_port is not None:
+            lines.append(f"  http:   http://127.0.0.1:{settings.http_port} (GET /approvals, "
+                         "POST /sessions/SID/requests, ...)")
         lines.append("  stop:   Ctrl-C")
         return "\n".join(lines)
 
