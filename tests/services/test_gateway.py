@@ -25,8 +25,9 @@ async def test_a_call_is_requested_and_approved_over_http(tmp_path: Path) -> Non
                 "calls": [{"tool": "shipping:label", "arguments": {"order_id": 3}}]})
             assert sent.status_code == 202 and sent.json()["turn_id"] == "label-1"
             async with asyncio.timeout(10):  # the approval actor records it
-                while not (pending := (await web.get("/approvals")).json()):
-                    await asyncio.sleep(0.05)  # another process: poll it
+                # Another process's state: poll it.
+                while not (pending := (await web.get("/approvals")).json()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
             assert pending[0]["tool"] == "shipping:label"
             assert pending[0]["rule"] == "tool:requires_approval"
             assert pending[0]["arguments"] == {"order_id": 3, "copies": 1}
