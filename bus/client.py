@@ -118,7 +118,8 @@ class ToolbusClient:
         except TimeoutError as exc:
             raise BusTimeoutError(
                 f"no result for request {request_id} in session {session_id} within "
-                f"{timeout:g} s: is `toolbus up` (or a session actor and an executor) running?"
+                f"{timeout:g} s: is `toolbus up` (or session, approval and executor actors) "
+                "running? A call waiting for a human shows in `toolbus approvals`"
             ) from exc
         finally:
             watcher.waiting.pop(turn_id, None)
