@@ -159,3 +159,28 @@ async def test_actors_ride_out_a_restart_of_an_external_nats_server(tmp_path: Pa
     finally:
         assert up.stop() == 0
         server.stop()
+
+
+async def test_each_actor_kind_runs_in_its_own_process(tmp_path: Path) -> None:
+    """DESIGN.md's scale-out shape: session, approval and executor as separate processes
+    on one NATS server, and a call through all of them."""
+    from bus.server import EmbeddedServer
+
+    server = EmbeddedServer(tmp_path / "nats", port=free_port()).start()
+    procs = [Proc("actor", kind, "--nats", server.url, ready=f"{kind} actor")
+             for kind in ("executor", "approval", "session")]
+    try:
+        for p in procs:
+            await p.wait_ready()
+        out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"x": 1}',
+                                      "--session", "apart", "--nats", server.url)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"x": 1}
+        events = _replay_json(server.url, "apart")
+        kinds = [e["event"]["type"] for e in events if "event" in e]
+        assert kinds[:3] == ["turn.requested", "call.requested", "call.approved"]
+        assert events[2]["event"]["actor"] == "approval"  # decided by the other process
+    finally:
+        for p in procs:
+            p.stop()
+        server.stop()
