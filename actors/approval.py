@@ -11,7 +11,9 @@ appended with an expected last sequence of 0 on `toolbus.evt.<sid>.approval.*.<c
 so the first decision wins, atomically, across any number of approval processes; later
 ones are told who decided first.
 Nothing is dispatched from here: the session actor dispatches approved calls, under the
-parallel and side-effect rules, and fails denied ones.
+parallel and side-effect rules, and fails denied ones. One janitor duty lives here, next
+to the timeouts: calls sent with `_instance` to an executor instance that is gone are
+ended `call.failed` (`instance_unavailable`), instead of waiting for it forever.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, EventLog, decode_stored
 from bus.rpc import Responder
-from bus.streams import ConsumerSpec
+from bus.streams import ConsumerSpec, instance_backlogs
 from bus.subjects import (
     APPROVAL_PREFIX,
     EVENTS_PREFIX,
@@ -45,8 +47,12 @@ from schemas.events import (
     ApprovalGranted,
     ApprovalRequested,
     CallApproved,
+    CallDispatched,
+    CallFailed,
     CallRejected,
     CallRequested,
+    CallStarted,
+    CallSucceeded,
     Event,
 )
 from schemas.ids import check_session_id, is_token, split_tool_name
@@ -139,7 +145,8 @@ def decide(call: CallRequested, tools: CompiledTools, policy: Policy, *, now: fl
 
 class ApprovalActor:
     def __init__(self, bus: Bus, catalog: Catalog, *, policy: Policy,
-                 clock: Callable[[], float] = time.time, sweep_interval_s: float = 0.5) -> None:
+                 clock: Callable[[], float] = time.time, sweep_interval_s: float = 0.5,
+                 instance_sweep_s: float = 5.0) -> None:
         self._bus = bus
         self._log = EventLog(bus)
         self._catalog = catalog
@@ -148,6 +155,7 @@ class ApprovalActor:
         self._clock = clock
         self._store = ApprovalStore(bus)
         self._sweep_interval_s = sweep_interval_s
+        self._instance_sweep_s = instance_sweep_s
         self._requests = PullLoop(
             bus, ConsumerSpec(EVENTS_STREAM, "approval",
                               (f"{EVENTS_PREFIX}.*.call.requested",)),
@@ -313,9 +321,16 @@ class ApprovalActor:
             reason=f"timeout: no decision within {waited:g} s", rule="timeout"))
 
     async def _sweep(self) -> None:
+        last_instances = 0.0
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             now = self._clock()
+            if now - last_instances >= self._instance_sweep_s:
+                last_instances = now
+                try:
+                    await self._fail_calls_of_gone_instances()
+                except Exception as exc:  # a NATS outage: the next sweep tries again
+                    log.warning("sweeping calls of gone executor instances failed: %s", exc)
             for item in self._store.pending():
                 if item.expires_at > now:
                     continue
@@ -328,6 +343,52 @@ class ApprovalActor:
                         await self._store.delete(item.session_id, item.call_id)
                 except Exception as exc:  # a NATS outage: the next sweep tries again
                     log.warning("approval timeout of %s failed: %s", item.call_id, exc)
+
+
+    async def _fail_calls_of_gone_instances(self) -> None:
+        """A call sent to one executor instance (`_instance`) that is gone would wait for
+        it forever: end it `call.failed` (`instance_unavailable`, retryable), or
+        `interrupted` if it had started a tool that may not run twice. The terminal id is
+        the executor's own, so if the instance returns it finds the call ended."""
+        for backlog in await instance_backlogs(self._bus):
+            if self._catalog.instance_tools(backlog.instance) is not None:
+                continue  # alive: its calls are only queued
+            for stored in await self._log.read_session(
+                    "", after=backlog.after_seq, subject_filter=backlog.filter_subject):
+                d = stored.event
+                if not isinstance(d, CallDispatched):
+                    continue
+                started, ended = await self._call_history(d)
+                if ended:
+                    continue
+                if started and not self._rerunnable(d.tool):
+                    kind, why = "interrupted", "stopped while running it"
+                else:
+                    kind, why = "instance_unavailable", "is gone before running it"
+                failed = CallFailed(
+                    session_id=d.session_id, at=self._clock(), actor=ACTOR,
+                    call_id=d.call_id, turn_id=d.turn_id, error_type=kind,
+                    retryable=kind == "instance_unavailable",
+                    message=f"executor instance {backlog.instance} (named by _instance) {why}"
+                            f" {d.tool}; call it again without _instance, or start that "
+                            "instance first")
+                await self._log.append(Append(failed, f"{d.session_id}:{d.call_id}:terminal"))
+                log.warning("call %s of session %s: %s", d.call_id, d.session_id, kind)
+
+    def _rerunnable(self, tool: str) -> bool:
+        spec = self._catalog.get(tool)
+        return spec is not None and spec.rerunnable
+
+    async def _call_history(self, d: CallDispatched) -> tuple[bool, bool]:
+        started = ended = False
+        for stored in await self._log.read_session(
+                d.session_id, subject_filter=f"{EVENTS_PREFIX}.{d.session_id}.call.>"):
+            ev = stored.event
+            if getattr(ev, "call_id", None) != d.call_id:
+                continue
+            started = started or isinstance(ev, CallStarted)
+            ended = ended or isinstance(ev, CallSucceeded | CallFailed)
+        return started, ended
 
 
 def _kind(event: Event | None) -> str | None:

@@ -152,9 +152,10 @@ class Executor:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
+        await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
+        # Only now: while it drains, the instance still runs the calls it holds.
         with contextlib.suppress(Exception):  # best effort: the entry expires anyway
             await self._catalog.retire(self.instance)
-        await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
         await self._resources.__aexit__(None, None, None)
 
     async def _announce(self) -> None:

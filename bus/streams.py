@@ -158,3 +158,36 @@ async def ensure_consumer(bus: Bus, spec: ConsumerSpec) -> None:
     ):
         # CONSUMER.CREATE with the same durable name updates it in place.
         await bus.js.add_consumer(spec.stream, config)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceBacklog:
+    """Calls sent to one executor instance (`_instance`) that it has not acknowledged."""
+
+    instance: str
+    namespace: str
+    filter_subject: str
+    after_seq: int  # everything up to here is acknowledged
+
+
+async def instance_backlogs(bus: Bus) -> list[InstanceBacklog]:
+    """The instance consumers (`exec_instance_*`) that still hold unacknowledged calls."""
+    out = []
+    offset = 0
+    while True:
+        page = await bus.js.consumers_info(EVENTS_STREAM, offset=offset)
+        for info in page:
+            name = info.name or ""
+            filt = info.config.filter_subject or ""
+            waiting = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            if not name.startswith("exec_instance_") or not waiting:
+                continue
+            # toolbus.evt.*.call.dispatched.instance.<instance>.<namespace>
+            tokens = filt.split(".")
+            if len(tokens) != 8 or tokens[5] != "instance":
+                continue
+            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            out.append(InstanceBacklog(tokens[6], tokens[7], filt, floor))
+        if len(page) < 256:
+            return out
+        offset += len(page)

@@ -78,7 +78,8 @@ async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
     await executor.start()
     catalog = Catalog(bus)
     await catalog.start()
-    approval = ApprovalActor(bus, catalog, policy=TEST_POLICY, sweep_interval_s=0.1)
+    approval = ApprovalActor(bus, catalog, policy=TEST_POLICY, sweep_interval_s=0.1,
+                             instance_sweep_s=0.5)
     await approval.start()
     session = SessionActor(bus)
     await session.start()

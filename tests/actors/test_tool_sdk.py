@@ -178,3 +178,26 @@ async def test_two_sources_cannot_register_one_name_but_one_source_merges_pools(
     assert [s.source for s in await catalog.load() if s.name == name] == ["python:a"]
     assert await catalog.remove(name)
     await catalog.register([ToolSpec(name=name, source="mcp:other")])
+
+
+async def test_a_call_queued_for_an_instance_that_is_gone_fails_instead_of_waiting(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    from tests import toolkit
+
+    doomed = Executor(bus, [toolkit.sleep], instance="doomed-1", ack_wait_s=5.0,
+                      max_in_flight=1)
+    await doomed.start()
+    await system["catalog"].wait_for_instance("doomed-1", timeout=5)
+    async with EventWatch(bus, sid) as watch:
+        first = asyncio.create_task(_call(client, sid, "testing:sleep", {"seconds": 1.0},
+                                          _instance="doomed-1"))
+        await watch.until(lambda evs: bool(of_type(evs, "call.started")))
+        queued = asyncio.create_task(_call(client, sid, "testing:sleep", {"seconds": 0},
+                                           _instance="doomed-1"))
+        await watch.until(lambda evs: len(of_type(evs, "call.dispatched")) == 2)
+    await doomed.stop()  # finishes the running call, leaves the queued one behind
+    first_out = await first
+    assert first_out.status == "succeeded", first_out
+    out = await queued  # the approval actor's janitor ends it
+    assert out.status == "failed" and out.error.error_type == "instance_unavailable"
+    assert out.error.retryable and "doomed-1" in out.error.message
