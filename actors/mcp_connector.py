@@ -103,6 +103,7 @@ class McpLink:
         self._broken = False
         self._task: asyncio.Task[None] | None = None
         self._first: asyncio.Future[None] | None = None
+        self._refused: int | None = None
         self.sessions = 0  # sessions opened so far (1 after boot; more after healing)
         self.last_error: str | None = None
 
@@ -143,7 +144,14 @@ class McpLink:
                               timeout=cfg.connect_timeout_ms / 1000)
         http = create_mcp_http_client(headers=cfg.http_headers)
         stack.push_async_callback(http.aclose)  # the SDK closes only clients it made itself
+        http.event_hooks["response"].append(self._note_refusal)
         return streamable_http_client(cfg.url, http_client=http)
+
+    async def _note_refusal(self, response: httpx2.Response) -> None:
+        # The SDK reports a refused request as "Server returned an error response"; keep
+        # the status, so an error can say "HTTP 401: check api_key".
+        if response.status_code in (401, 403):
+            self._refused = response.status_code
 
     async def _message(self, message: Any) -> None:
         if isinstance(message, mt.ToolListChangedNotification):
@@ -159,6 +167,11 @@ class McpLink:
                 raise
             except BaseException as exc:  # any failure ends one session only
                 self.last_error = _describe_error(exc)
+                if self._refused is not None:
+                    self.last_error = (f"HTTP {self._refused}: the server refused the "
+                                       f"credentials (check api_key / headers); "
+                                       f"{self.last_error}")
+                    self._refused = None
                 if self._first is not None and not self._first.done():
                     self._first.set_exception(McpUnavailableError(
                         self.cfg.id, self.cfg.describe(), self.last_error))

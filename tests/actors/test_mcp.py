@@ -120,7 +120,7 @@ async def test_the_bearer_key_is_sent_and_a_wrong_one_fails_start_up(
     text = str(err.value)
     assert "MCP server keyless is unreachable" in text
     assert f"streamable-http http://127.0.0.1:{servers['http'].port}/mcp" in text
-    assert "error response" in text  # the server answered 401: the key is checked
+    assert "HTTP 401: the server refused the credentials (check api_key" in text
     assert "wrong" not in text  # the key itself is never printed
 
 
