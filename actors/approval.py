@@ -24,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -51,8 +51,6 @@ from schemas.events import (
     CallFailed,
     CallRejected,
     CallRequested,
-    CallStarted,
-    CallSucceeded,
     Event,
 )
 from schemas.ids import check_session_id, is_token, split_tool_name
@@ -64,17 +62,6 @@ log = logging.getLogger("toolbus.approval")
 
 ACTOR = "approval"
 InstanceLookup = Callable[[str], "frozenset[str] | None"]
-
-
-class CallLike(Protocol):
-    @property
-    def tool(self) -> str: ...
-    @property
-    def arguments(self) -> Any: ...
-    @property
-    def delegate(self) -> str | None: ...
-    @property
-    def instance(self) -> str | None: ...
 
 
 def _no_instances(name: str) -> frozenset[str] | None:
@@ -358,7 +345,7 @@ class ApprovalActor:
                 d = stored.event
                 if not isinstance(d, CallDispatched):
                     continue
-                started, ended = await self._call_history(d)
+                started, ended = await self._log.call_progress(d.session_id, d.call_id)
                 if ended:
                     continue
                 if started and not self._rerunnable(d.tool):
@@ -378,17 +365,6 @@ class ApprovalActor:
     def _rerunnable(self, tool: str) -> bool:
         spec = self._catalog.get(tool)
         return spec is not None and spec.rerunnable
-
-    async def _call_history(self, d: CallDispatched) -> tuple[bool, bool]:
-        started = ended = False
-        for stored in await self._log.read_session(
-                d.session_id, subject_filter=f"{EVENTS_PREFIX}.{d.session_id}.call.>"):
-            ev = stored.event
-            if getattr(ev, "call_id", None) != d.call_id:
-                continue
-            started = started or isinstance(ev, CallStarted)
-            ended = ended or isinstance(ev, CallSucceeded | CallFailed)
-        return started, ended
 
 
 def _kind(event: Event | None) -> str | None:

@@ -34,7 +34,7 @@ from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, EventLog, decode_stored
 from bus.streams import MAX_EVENT_BYTES, ConsumerSpec
-from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, EXECUTORS_TTL_S, dispatch_filter
+from bus.subjects import EVENTS_STREAM, EXECUTORS_TTL_S, dispatch_filter
 from schemas.errors import ConfigError
 from schemas.events import (
     CallDispatched,
@@ -201,7 +201,7 @@ class Executor:
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
         if attempt > 1 or age_s > _STALE_DELIVERY_S:
-            started, ended = await self._history(d)
+            started, ended = await self._log.call_progress(d.session_id, d.call_id)
             if ended:
                 await delivery.ack()
                 return
@@ -231,21 +231,6 @@ class Executor:
             await pending_start
         await self._append(outcome, terminal_id)
         await delivery.ack()
-
-    async def _history(self, d: CallDispatched) -> tuple[bool, bool]:
-        """(started, ended) for this call, read from the log."""
-        started = ended = False
-        events = await self._log.read_session(
-            d.session_id, subject_filter=f"{EVENTS_PREFIX}.{d.session_id}.call.>")
-        for stored in events:
-            ev = stored.event
-            if ev is None or getattr(ev, "call_id", None) != d.call_id:
-                continue
-            if isinstance(ev, CallStarted):
-                started = True
-            elif isinstance(ev, CallSucceeded | CallFailed):
-                ended = True
-        return started, ended
 
     async def _run(self, d: CallDispatched, tool: RunnableTool, delivery: Delivery) -> Event:
         timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000

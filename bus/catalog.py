@@ -106,7 +106,6 @@ class Catalog:
         self._bus = bus
         self._specs = WatchedBucket(bus, CATALOG_BUCKET, decode_spec)
         self._executors = WatchedBucket(bus, EXECUTORS_BUCKET, _executor_decoder.decode)
-        self._local: dict[str, ToolSpec] = {}
 
     async def register(self, specs: list[ToolSpec]) -> None:
         """Register specs, or raise `ToolConflictError` before writing any of them if one
@@ -115,7 +114,7 @@ class Catalog:
         for spec in specs:
             await self._check_free(kv, spec)
         for spec in specs:
-            self._local[spec.name] = await self._register_one(kv, spec)
+            await self._register_one(kv, spec)
 
     async def _current(self, kv: KeyValue, key: str) -> tuple[ToolSpec | None, int | None]:
         try:
@@ -167,7 +166,6 @@ class Catalog:
             if old is not None and old.source == source and revision is not None:
                 with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
                     await kv.delete(catalog_key(name), last=revision)
-            self._local.pop(name, None)
 
     async def remove(self, name: str) -> bool:
         kv = await self._specs.bucket()

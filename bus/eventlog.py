@@ -15,9 +15,18 @@ from nats.aio.msg import Msg
 
 from bus.connection import Bus
 from bus.headers import Header, Status
-from bus.subjects import EVENTS_STREAM, event_subject, session_filter
+from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, event_subject, session_filter
 from schemas.errors import AppendError, BusTimeoutError, ConcurrencyError
-from schemas.events import AnyEvent, Event, decode_event, encode_event, event_type
+from schemas.events import (
+    AnyEvent,
+    CallFailed,
+    CallStarted,
+    CallSucceeded,
+    Event,
+    decode_event,
+    encode_event,
+    event_type,
+)
 
 log = logging.getLogger("toolbus.bus")
 
@@ -274,6 +283,21 @@ class EventLog:
                     await sub.unsubscribe()
                 if got == 0 or pending == 0:
                     return out
+
+    async def call_progress(self, session_id: str, call_id: str) -> tuple[bool, bool]:
+        """(started, ended) of one call, read from the log: what a redelivered or orphaned
+        dispatch needs to know before anything runs again."""
+        started = ended = False
+        for stored in await self.read_session(
+                session_id, subject_filter=f"{EVENTS_PREFIX}.{session_id}.call.>"):
+            ev = stored.event
+            if ev is None or getattr(ev, "call_id", None) != call_id:
+                continue
+            if isinstance(ev, CallStarted):
+                started = True
+            elif isinstance(ev, CallSucceeded | CallFailed):
+                ended = True
+        return started, ended
 
     async def last_sequence(self) -> int:
         info = await self._bus.js.stream_info(EVENTS_STREAM)

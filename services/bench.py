@@ -27,6 +27,7 @@ from bus.client import ToolbusClient
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer, free_port
 from schemas.events import TurnCompleted
+from services.sample_mcp import wait_listening
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,16 +184,7 @@ async def _sample_mcp_server():  # type: ignore[no-untyped-def]
         [sys.executable, "-m", "services.sample_mcp", "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        async with asyncio.timeout(20):
-            while True:
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", port)
-                except OSError:
-                    await asyncio.sleep(0.05)
-                    continue
-                writer.close()
-                await writer.wait_closed()
-                break
+        await wait_listening(port, proc)
         yield port
     finally:
         proc.terminate()

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,6 +134,25 @@ def build(*, page_size: int | None = None, log: Path | None = None,
             return n
         server.add_tool(extra, name=f"extra_{i:03d}", description=f"Extra tool {i}.")
     return server
+
+
+async def wait_listening(port: int, proc: subprocess.Popen[bytes], *,
+                         timeout: float = 20.0) -> None:
+    """Until the server started as `proc` accepts connections on `port` (bounded); an
+    early exit is an error, not a wait."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"sample MCP server exited ({proc.returncode})") from None
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            await writer.wait_closed()
+            return
 
 
 class _RequireBearer:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 from bus.server import free_port
+from services.sample_mcp import wait_listening
 from tests.conftest import REPO
 
 
@@ -30,19 +30,8 @@ class SampleServer:
             [sys.executable, "-m", "services.sample_mcp", "--transport", self.transport,
              "--port", str(self.port), *self.args],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        async with asyncio.timeout(20):  # until it accepts connections
-            while True:
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                except OSError:
-                    if self.proc.poll() is not None:
-                        raise AssertionError(
-                            f"sample MCP server exited ({self.proc.returncode})") from None
-                    await asyncio.sleep(0.05)
-                    continue
-                writer.close()
-                await writer.wait_closed()
-                return self
+        await wait_listening(self.port, self.proc)
+        return self
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
