@@ -329,3 +329,10 @@ async def test_web_search_speaks_tavilys_api(http_server) -> None:
     assert err.value.error_type == "auth_failed"
 
 
+
+
+async def test_code_cpu_limit_stops_a_busy_loop() -> None:
+    t = code_tool(CodeConfig(timeout_ms=20_000, cpu_seconds=1), path_env=PATH)
+    out = await _run(t, {"code": "while True:\n    pass"})
+    assert out["ok"] is False and out["signal"] in ("SIGXCPU", "SIGKILL")
+    assert out["duration_ms"] < 20_000  # the CPU limit, not the timeout, ended it

@@ -232,3 +232,15 @@ async def test_an_untrusted_servers_read_only_claims_are_not_believed(
         assert out.error.error_type == "approval_denied"
     finally:
         await c.stop()
+
+
+async def test_each_progress_notification_reaches_the_keep_alive_hook(
+        connector: McpConnector, servers: dict[str, Any]) -> None:
+    """The executor's `progress` hook (an in-progress ack, throttled) fires on every MCP
+    progress notification of the call, not only on its own timer."""
+    link = connector.links[servers["ids"]["http"]]
+    pokes: list[int] = []
+    result = await link.call("fleet_report", {"steps": 4, "step_seconds": 0.05},
+                             progress=lambda: pokes.append(1))
+    assert not result.is_error
+    assert len(pokes) == 4
