@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from actors.tool import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
+from actors.tools import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop

@@ -39,7 +39,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from actors.executor import Executor
-from actors.tool import ProgressFn, Resource, ToolError
+from actors.tools import ProgressFn, Resource, ToolError
 from bus.catalog import Catalog
 from bus.connection import Bus
 from schemas.errors import ConnectError, ToolbusError

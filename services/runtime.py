@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.approval import ApprovalActor
-from actors.builtins import BUILTINS, manifest_tools
 from actors.executor import Executor
 from actors.mcp_connector import McpConnector
 from actors.session import SessionActor
-from actors.tool import LocalTool, load_tools
+from actors.tools import LocalTool, load_tools
+from actors.tools.builtins import BUILTINS, manifest_tools
 from bus.catalog import Catalog
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer

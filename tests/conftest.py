@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from actors.approval import ApprovalActor
-from actors.builtins import BUILTINS
 from actors.executor import Executor
 from actors.session import SessionActor
-from actors.tool import load_tools
+from actors.tools import load_tools
+from actors.tools.builtins import BUILTINS
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect

@@ -6,7 +6,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from actors.tool import tool
+from actors.tools import tool
 
 
 @tool("proc:append_line", idempotent=False, timeout_ms=60_000)

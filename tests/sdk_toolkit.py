@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from actors.tool import ToolError, resource, tool, uses
+from actors.tools import ToolError, resource, tool, uses
 
 EVENTS: list[str] = []  # what the resource saw: opened / closed (in-process tests read it)
 

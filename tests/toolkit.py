@@ -10,7 +10,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from actors.tool import ToolError, tool
+from actors.tools import ToolError, tool
 
 
 @tool("testing:append_line", idempotent=False, timeout_ms=10_000)

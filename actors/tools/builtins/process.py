@@ -10,7 +10,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from actors.tool import ToolError
+from actors.tools import ToolError
 
 
 @dataclass(frozen=True, slots=True)

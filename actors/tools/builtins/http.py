@@ -25,7 +25,7 @@ from urllib.parse import urljoin
 
 import httpx
 
-from actors.tool import LocalTool, Resource, ToolError
+from actors.tools import LocalTool, Resource, ToolError
 from schemas.manifest import HttpToolConfig
 from schemas.tools import Annotations, ToolSpec
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.builtins.process import run_capped
-from actors.tool import LocalTool, ToolError, tool
+from actors.tools import LocalTool, ToolError, tool
+from actors.tools.builtins.process import run_capped
 from schemas.manifest import CodeConfig
 
 

@@ -15,8 +15,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from actors.builtins.process import run_capped
-from actors.tool import LocalTool, ToolError, tool
+from actors.tools import LocalTool, ToolError, tool
+from actors.tools.builtins.process import run_capped
 from schemas.errors import ConfigError
 from schemas.manifest import GitConfig
 

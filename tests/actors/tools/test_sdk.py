@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from actors.executor import Executor
-from actors.tool import load_tools, tool
+from actors.tools import load_tools, tool
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus

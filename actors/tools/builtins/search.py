@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import httpx
 
-from actors.tool import LocalTool, Resource, ToolError, tool, uses
+from actors.tools import LocalTool, Resource, ToolError, tool, uses
 from schemas.manifest import WebSearchConfig
 
 KEY_VARIABLES = {"tavily": "TAVILY_API_KEY"}

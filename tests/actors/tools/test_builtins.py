@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from actors.builtins.code import code_tool
-from actors.builtins.files import file_tools
-from actors.builtins.git import git_tools
-from actors.builtins.http import http_tool
-from actors.builtins.search import search_tool
-from actors.tool import LocalTool, ResourceScope, ToolError
+from actors.tools import LocalTool, ResourceScope, ToolError
+from actors.tools.builtins.code import code_tool
+from actors.tools.builtins.files import file_tools
+from actors.tools.builtins.git import git_tools
+from actors.tools.builtins.http import http_tool
+from actors.tools.builtins.search import search_tool
 from schemas.manifest import (
     CodeConfig,
     FilesConfig,

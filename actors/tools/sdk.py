@@ -2,7 +2,7 @@
 
     from typing import Annotated
     from pydantic import BaseModel, Field
-    from actors.tool import ToolError, resource, tool, uses
+    from actors.tools import ToolError, resource, tool, uses
 
     class Ticket(BaseModel):
         id: int
@@ -439,7 +439,7 @@ def load_tools(target: str) -> list[LocalTool]:
     if not found:
         raise ConfigError(
             f"--tools {target}: the module defines no tools; decorate functions with "
-            "@actors.tool.tool(...)"
+            "@actors.tools.tool(...)"
         )
     if source is not None:
         found = [LocalTool(msgspec.structs.replace(t.spec, source=source), t.fn, t.injected,

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from actors.tool import LocalTool, ToolError, load_tools, tool
+from actors.tools import LocalTool, ToolError, load_tools, tool
 from schemas.manifest import Manifest
 
 
@@ -68,11 +68,11 @@ def manifest_tools(manifest: Manifest, *, path_env: str,
                    secrets: Mapping[str, str]) -> list[LocalTool]:
     """Every tool a manifest declares, each tagged with its pool. `secrets` holds the
     provider key variables (TAVILY_API_KEY) read by the caller."""
-    from actors.builtins.code import code_tool  # heavy, optional parts
-    from actors.builtins.files import file_tools
-    from actors.builtins.git import git_tools
-    from actors.builtins.http import http_tool
-    from actors.builtins.search import KEY_VARIABLES, search_tool
+    from actors.tools.builtins.code import code_tool  # heavy, optional parts
+    from actors.tools.builtins.files import file_tools
+    from actors.tools.builtins.git import git_tools
+    from actors.tools.builtins.http import http_tool
+    from actors.tools.builtins.search import KEY_VARIABLES, search_tool
 
     t = manifest.tools
     by_name = {b.spec.name.split(":", 1)[1]: b for b in BUILTINS}

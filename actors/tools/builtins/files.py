@@ -11,7 +11,7 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from actors.tool import LocalTool, ToolError, tool
+from actors.tools import LocalTool, ToolError, tool
 from schemas.errors import ConfigError
 from schemas.manifest import FilesConfig
 
