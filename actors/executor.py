@@ -4,14 +4,16 @@ Consumes: `call.dispatched` for the local tools it holds, from one durable consu
 (pool, namespace) shared by every executor process that holds that namespace, so N
 processes split the calls between them.
 Emits: `call.started`, then exactly one of `call.succeeded` / `call.failed`.
-Idempotency: `<sid>:<call_id>:terminal` is the message id of both terminal events, so two
-executors racing on one call can store only one outcome; `call.started` is keyed by
-attempt.
+Idempotency: both terminal events share the call's terminal message id (schemas/ids.py),
+so two executors racing on one call can store only one outcome; `call.started` is keyed
+by attempt. A result too large for an event is streamed to the object store and the
+event carries its reference.
 Retry rule (DESIGN.md): a redelivered call that already ended is acked and skipped; one
 that started but never ended runs again only if the tool is read-only or idempotent,
 otherwise it ends `call.failed` / `interrupted`: never a silent second side effect. The
 dispatch is acked only after the terminal event is stored; while a tool runs, in-progress
-acks keep the message from being redelivered.
+acks keep the message from being redelivered; the ack wait is short (3 s), so a call held
+by an executor that died is redelivered to a survivor within seconds.
 """
 
 from __future__ import annotations
@@ -28,22 +30,32 @@ from typing import Any
 
 import msgspec
 
+from actors.kernel import Inbox, Kernel, PoisonError, SessionStates
 from actors.tools import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
+from bus import trace
+from bus.artifacts import ArtifactStore
 from bus.catalog import Catalog
 from bus.connection import Bus
-from bus.consumer import Delivery, PullLoop
-from bus.eventlog import Append, EventLog, decode_stored
-from bus.streams import MAX_EVENT_BYTES, ConsumerSpec
-from bus.subjects import EVENTS_STREAM, EXECUTORS_TTL_S, dispatch_filter
-from schemas.errors import ConfigError
+from bus.consumer import Delivery
+from bus.eventlog import Append, decode_stored
+from bus.streams import ConsumerSpec
+from bus.subjects import EVENTS_STREAM, dispatch_filter
+from schemas.defaults import (
+    EXECUTOR_ACK_WAIT_S,
+    EXECUTORS_TTL_S,
+    MAX_IN_FLIGHT,
+    MAX_INLINE_RESULT_BYTES,
+)
+from schemas.errors import ArtifactError, ConfigError
 from schemas.events import (
     CallDispatched,
     CallFailed,
     CallStarted,
     CallSucceeded,
     Event,
+    ResultRef,
 )
-from schemas.ids import check_namespace
+from schemas.ids import call_started_id, call_terminal_id, check_namespace
 from schemas.tools import DEFAULT_POOL, ExecutorInfo, ToolSpec, instance_route, pool_route
 from schemas.validation import Validator, describe
 
@@ -52,7 +64,6 @@ log = logging.getLogger("toolbus.executor")
 # A first delivery older than this is checked against the log too: its consumer may have
 # been re-created, and a dispatch that old may already have run.
 _STALE_DELIVERY_S = 5.0
-_MAX_RESULT_BYTES = MAX_EVENT_BYTES - 16 * 1024
 _json = msgspec.json.Encoder()
 
 
@@ -71,12 +82,16 @@ class Executor:
         register: bool = True,
         instance: str | None = None,
         pool: str = DEFAULT_POOL,
-        ack_wait_s: float = 30.0,
-        max_in_flight: int = 64,
+        ack_wait_s: float = EXECUTOR_ACK_WAIT_S,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        max_inline_result: int = MAX_INLINE_RESULT_BYTES,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._bus = bus
-        self._log = EventLog(bus)
+        self._kernel = Kernel(bus, "executor", clock=clock)
+        self._states = SessionStates(bus, self._kernel.log, size=1024)
+        self._artifacts = ArtifactStore(bus)
+        self._max_inline_result = max_inline_result
         self._catalog = Catalog(bus)
         self.instance = check_namespace(instance or default_instance_name())
         self._pool = check_namespace(pool)
@@ -101,8 +116,9 @@ class Executor:
                                ack_wait_s=ack_wait_s, max_ack_pending=4096,
                                inactive_threshold_s=3600.0)
                   for ns in namespaces]
-        self._loops = [PullLoop(bus, spec, self._on_dispatch, max_in_flight=max_in_flight)
-                       for spec in specs]
+        for spec in specs:
+            self._kernel.add(Inbox(spec, self._on_dispatch, self._reject, ordered=False,
+                                   max_in_flight=max_in_flight))
         self._heartbeat: asyncio.Task[None] | None = None
         self.runs = 0  # calls this process executed (for stats and tests)
 
@@ -139,8 +155,7 @@ class Executor:
             await self._catalog.register([t.spec for t in self._tools.values()])
         await self._resources.__aenter__()
         try:
-            for loop in self._loops:
-                await loop.start()
+            await self._kernel.start()
             await self._announce()
         except BaseException:
             await self._resources.__aexit__(None, None, None)
@@ -152,7 +167,7 @@ class Executor:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
-        await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
+        await self._kernel.stop(grace)
         # Only now: while it drains, the instance still runs the calls it holds.
         with contextlib.suppress(Exception):  # best effort: the entry expires anyway
             await self._catalog.retire(self.instance)
@@ -173,7 +188,8 @@ class Executor:
                             self.instance, exc)
 
     async def _append(self, event: Event, msg_id: str) -> None:
-        await self._log.append(Append(event, msg_id))
+        await self._kernel.log.append(Append(event, msg_id),
+                                      headers=trace.headers_for_child(None))
 
     def _failed(self, d: CallDispatched, error_type: str, message: str, *,
                 retryable: bool = False, duration_ms: float = 0.0) -> CallFailed:
@@ -184,13 +200,11 @@ class Executor:
 
     async def _on_dispatch(self, delivery: Delivery) -> None:
         stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
-        dispatched = stored.event
-        if not isinstance(dispatched, CallDispatched):
-            log.error("not a call.dispatched at seq %d: %s", stored.seq, stored.error)
-            await delivery.term()
-            return
-        d = dispatched
-        terminal_id = f"{d.session_id}:{d.call_id}:terminal"
+        d = stored.event
+        if not isinstance(d, CallDispatched):
+            raise PoisonError("unreadable_event",
+                              f"not a call.dispatched: {stored.error or type(d).__name__}")
+        terminal_id = call_terminal_id(d.session_id, d.call_id)
         tool = self._tools.get(d.tool)
         if tool is None:
             await self._append(self._failed(
@@ -201,11 +215,12 @@ class Executor:
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
         if attempt > 1 or age_s > _STALE_DELIVERY_S:
-            started, ended = await self._log.call_progress(d.session_id, d.call_id)
-            if ended:
+            # It may have run already: the session's state says how far it got.
+            call = (await self._states.current(d.session_id)).state.calls.get(d.call_id)
+            if call is not None and call.terminal:
                 await delivery.ack()
                 return
-            if started and not tool.spec.rerunnable:
+            if call is not None and call.attempts > 0 and not tool.spec.rerunnable:
                 await self._append(self._failed(
                     d, "interrupted",
                     f"the executor running {d.tool} stopped before it finished; the tool is "
@@ -217,28 +232,39 @@ class Executor:
         started_event = CallStarted(session_id=d.session_id, at=self._clock(), actor="executor",
                                     call_id=d.call_id, turn_id=d.turn_id,
                                     executor=self.instance, attempt=attempt)
-        started_id = f"{d.session_id}:{d.call_id}:started:{attempt}"
-        pending_start: asyncio.Task[None] | None = None
-        if tool.spec.rerunnable:
-            # Safe to run before `call.started` is stored: a rerun cannot hurt. Publishing
-            # it alongside saves a round trip on the hot path.
-            pending_start = asyncio.create_task(self._append(started_event, started_id))
-        else:
-            await self._append(started_event, started_id)
-
-        outcome = await self._run(d, tool, delivery)
-        if pending_start is not None:
-            await pending_start
-        await self._append(outcome, terminal_id)
+        started_id = call_started_id(d.session_id, d.call_id, attempt)
+        with trace.tool_span(d.tool, d.call_id, parent=None):
+            pending_start: asyncio.Task[None] | None = None
+            if tool.spec.rerunnable:
+                # Safe to run before `call.started` is stored: a rerun cannot hurt.
+                # Publishing it alongside saves a round trip on the hot path.
+                pending_start = asyncio.create_task(self._append(started_event, started_id))
+            else:
+                await self._append(started_event, started_id)
+            keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
+            try:
+                outcome = await self._run(d, tool, keep_alive)
+            finally:
+                keep_alive.cancel()
+            if pending_start is not None:
+                await pending_start
+            await self._append(outcome, terminal_id)
         await delivery.ack()
 
-    async def _run(self, d: CallDispatched, tool: RunnableTool, delivery: Delivery) -> Event:
+    def _reject(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
+        d = decode_stored(delivery.stream_seq, delivery.subject, delivery.data).event
+        if not isinstance(d, CallDispatched):
+            return [self._kernel.generic_rejection(delivery, reason, message)]
+        return [Append(self._failed(d, "internal", message),
+                       call_terminal_id(d.session_id, d.call_id))]
+
+    async def _run(self, d: CallDispatched, tool: RunnableTool,
+                   keep_alive: _KeepAlive) -> Event:
         timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000
         try:
             tool.check_arguments(d.arguments)
         except TypeError as exc:
             return self._failed(d, "invalid_arguments", f"{d.tool}: {exc}")
-        keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
         t0 = time.perf_counter()
         self.runs += 1
         try:
@@ -254,14 +280,6 @@ class Executor:
         except Exception as exc:
             return self._failed(d, type(exc).__name__, str(exc) or repr(exc),
                                 duration_ms=_ms(t0))
-        finally:
-            keep_alive.cancel()
-        try:
-            size = len(_json.encode(result))
-        except (TypeError, msgspec.EncodeError) as exc:
-            return self._failed(d, "result_not_serializable",
-                                f"{d.tool} returned a value that is not JSON: {exc}",
-                                duration_ms=_ms(t0))
         validator = self._output_validator(tool)
         if validator is not None:
             violations = validator.violations(result)
@@ -269,15 +287,27 @@ class Executor:
                 return self._failed(d, "output_invalid",
                                     describe(violations, f"result of {d.tool}"),
                                     duration_ms=_ms(t0))
-        if size > _MAX_RESULT_BYTES:
-            return self._failed(d, "result_too_large",
-                                f"{d.tool} returned {size} bytes; results over "
-                                f"{_MAX_RESULT_BYTES} bytes are not stored in events",
+        try:
+            encoded = _json.encode(result)
+        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+            return self._failed(d, "result_not_serializable",
+                                f"{d.tool} returned a value that is not JSON: {exc}",
                                 duration_ms=_ms(t0))
+        ref: ResultRef | None = None
+        if len(encoded) > self._max_inline_result:
+            # Too large for an event: stream it to the object store, keep a reference.
+            del result
+            keep_alive.poke()
+            try:
+                ref = await self._artifacts.put(d.session_id, d.call_id, encoded)
+            except ArtifactError as exc:
+                return self._failed(d, "result_not_stored", str(exc), retryable=True,
+                                    duration_ms=_ms(t0))
+            del encoded
+            result = None
         return CallSucceeded(session_id=d.session_id, at=self._clock(), actor="executor",
                              call_id=d.call_id, turn_id=d.turn_id, result=result,
-                             executor=self.instance, duration_ms=_ms(t0))
-
+                             executor=self.instance, duration_ms=_ms(t0), result_ref=ref)
 
 
 class _KeepAlive:
@@ -285,6 +315,8 @@ class _KeepAlive:
     calls end long before the first tick, and then it costs nothing."""
 
     def __init__(self, delivery: Delivery, interval: float) -> None:
+        # In-progress acks keep the message from being redelivered while the tool runs,
+        # and their absence is how a dead executor is noticed: after one ack wait.
         self._delivery = delivery
         self._interval = interval
         self._loop = asyncio.get_running_loop()

@@ -6,16 +6,19 @@ Emits: `turn.requested`, `call.requested`; `call.dispatched` for calls the appro
 approved (or a human granted), under the parallel policy: at most `max_parallel` calls of
 a turn at once, and calls with side effects alone and in order; `call.failed` for denied
 calls; `turn.completed` / `turn.failed`; `request.rejected`.
-Idempotency: every event has a deterministic message id derived from the session, the
-turn or call id and the fact (`<sid>:<call_id>:dispatch`, `<sid>:<turn_id>:ended`; a
-denied call's failure shares `<sid>:<call_id>:terminal` with the executor's outcomes).
+Idempotency: every event has a deterministic message id from `schemas/ids.py`, derived
+from the session, the turn or call id and the fact (a denied call's failure shares the
+call's terminal id with the executor's outcomes).
 A request without a `request_id` gets `auto-<stream seq>`, so its redelivery maps onto
 the same ids.
 Retry rule: decisions are appended with the per-session concurrency check on their first
 event, the rest pipelined behind it in one round trip; a stale writer re-reads the session
 and decides again (bounded). Events a failed decision may still have stored carry the
 same ids as the re-decision's, so they are deduplicated, and the reducer folds any order.
-Requests and events are acked only after what they caused is stored.
+Requests and events are acked only after what they caused is stored. A request that
+cannot be decoded or validated is a stored `request.rejected` at its first delivery (the
+kernel, actors/kernel.py); an event whose decision raises ends the session's open turns
+`turn.failed` (`internal`).
 
 State is level-triggered: after each event is folded, `decide` answers "what is due now?"
 from the state alone, so a crash between two appends is healed by the next delivery.
@@ -23,19 +26,15 @@ from the state alone, so a crash between two appends is healed by the next deliv
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
-
+from actors.kernel import Entry, Inbox, Kernel, PoisonError, SessionStates, excerpt
 from bus.connection import Bus
-from bus.consumer import Delivery, PullLoop
-from bus.eventlog import Append, EventLog, decode_stored
+from bus.consumer import Delivery
+from bus.eventlog import Append, decode_stored
 from bus.rpc import Responder
 from bus.streams import ConsumerSpec
 from bus.subjects import (
@@ -46,7 +45,8 @@ from bus.subjects import (
     STATE_PREFIX,
     session_of,
 )
-from schemas.errors import ConcurrencyError, InvalidIdError, InvalidRequestError
+from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS, SESSION_CACHE_SIZE, SNAPSHOT_EVERY
+from schemas.errors import ConcurrencyError, InvalidIdError, InvalidRequestError, RpcError
 from schemas.events import (
     CallApproved,
     CallDispatched,
@@ -60,16 +60,25 @@ from schemas.events import (
     TurnRequested,
 )
 from schemas.ids import (
+    AUTO_REQUEST_PREFIX,
     SYSTEM_SESSION,
     call_id_for,
+    call_requested_id,
+    call_terminal_id,
     check_session_id,
+    dispatch_id,
     is_token,
+    policy_decision_id,
+    request_rejected_id,
+    turn_ended_id,
     turn_id_for,
+    turn_requested_id,
 )
 from schemas.requests import (
     DEFAULT_MAX_CALLS,
     DEFAULT_MAX_REQUEST_BYTES,
     Request,
+    decode_json,
     parse_request,
 )
 from schemas.state import (
@@ -85,7 +94,6 @@ from schemas.state import (
 log = logging.getLogger("toolbus.session")
 
 ACTOR = "session"
-_DECIDE_ATTEMPTS = 8
 
 # --- pure decisions -------------------------------------------------------------------
 
@@ -116,14 +124,14 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     out = [Append(TurnRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
                                 request_id=request_id, call_ids=call_ids,
                                 agent=request.agent),
-                  f"{sid}:{turn_id}:requested")]
+                  turn_requested_id(sid, turn_id))]
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,
                                         turn_id=turn_id, tool=call.tool,
                                         arguments=call.arguments, reasoning=call.reasoning,
                                         output_path=call.output_path, delegate=call.delegate,
                                         instance=call.instance, agent=request.agent),
-                          f"{sid}:{call_id}:requested"))
+                          call_requested_id(sid, call_id)))
     if approver is None:
         return out
     decisions = []
@@ -131,7 +139,7 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
         assert isinstance(item.event, CallRequested)
         decision = approver(item.event)
         if decision is not None:
-            decisions.append(Append(decision, f"{sid}:{item.event.call_id}:policy"))
+            decisions.append(Append(decision, policy_decision_id(sid, item.event.call_id)))
     out += decisions
     # Dispatch from a scratch state holding only this turn: the parallel rules are per turn.
     scratch = SessionState(session_id=sid)
@@ -146,7 +154,7 @@ def _dispatch(state: SessionState, call: CallState, now: float) -> Append:
                            call_id=call.call_id, turn_id=call.turn_id, tool=call.tool,
                            arguments=call.approved_arguments or {}, route=call.route,
                            timeout_ms=call.timeout_ms)
-    return Append(event, f"{state.session_id}:{call.call_id}:dispatch", call.route)
+    return Append(event, dispatch_id(state.session_id, call.call_id), call.route)
 
 
 def _due_in_turn(state: SessionState, turn: TurnState, max_parallel: int,
@@ -167,7 +175,7 @@ def _due_in_turn(state: SessionState, turn: TurnState, max_parallel: int,
                 session_id=state.session_id, at=now, actor=ACTOR, call_id=call.call_id,
                 turn_id=call.turn_id, error_type="approval_denied",
                 message=f"{call.tool} was not approved: {reason} (by {call.decided_by})"),
-                f"{state.session_id}:{call.call_id}:terminal"))
+                call_terminal_id(state.session_id, call.call_id)))
     in_flight = sum(1 for c in calls if c.status in ("dispatched", "running"))
     all_ended_before = True
     for call in calls:
@@ -206,35 +214,60 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
                                    request_id=turn.request_id,
                                    ok=all(o.status == "succeeded" for o in outcomes),
                                    outcomes=outcomes)
-            out.append(Append(ev, f"{sid}:{turn_id}:ended"))
+            out.append(Append(ev, turn_ended_id(sid, turn_id)))
             continue
         out.extend(_due_in_turn(state, turn, max_parallel, now))
     return out
 
 
-# --- I/O loop -------------------------------------------------------------------------
+def decide_request(state: SessionState, request: Request, request_id: str, *, now: float,
+                   subject: str, request_seq: int, approver: InlineApprover | None = None,
+                   max_parallel: int = 3) -> list[Append]:
+    """The events a request makes due in its session: a new turn, the calls a crash left
+    out of a stored turn, or a `duplicate_request` rejection."""
+    sid = state.session_id
+    turn_id = turn_id_for(request_id)
+    known = state.turns.get(turn_id)
+    if known is None:
+        return accept_request(state, request, request_id, now=now, approver=approver,
+                              max_parallel=max_parallel)
+    missing = [c for c in known.call_ids if c not in state.calls]
+    if missing:
+        # The turn was stored but some of its calls were not (a crash in the middle of
+        # the batch): store the missing ones, with their ids, and go on.
+        log.warning("session %s: turn %s was missing %d call(s); restored", sid, turn_id,
+                    len(missing))
+        return [i for i in accept_request(state, request, request_id, now=now)
+                if isinstance(i.event, CallRequested) and i.event.call_id in missing]
+    rejected = RequestRejected(
+        session_id=sid, at=now, actor=ACTOR, reason="duplicate_request",
+        request_id=request_id, subject=subject,
+        message=f"request {request_id!r} was already accepted as turn {turn_id} "
+                f"({known.status}); its calls do not run again")
+    return [Append(rejected, request_rejected_id(request_seq))]
 
 
-@dataclass(eq=False)
-class _Entry:
-    state: SessionState
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Highest sequence this actor wrote without folding it yet; no decision is taken
-    # until the state has caught up to it (the writes come back through the consumer).
-    written_upto: int = 0
-    caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+def reject_request(subject: str, data: bytes, request_seq: int, reason: str, message: str,
+                   *, now: float) -> Append:
+    """The stored rejection of a request that cannot be accepted."""
+    sid = subject[len(REQUESTS_PREFIX) + 1:]
+    event = RequestRejected(session_id=sid if is_token(sid) else SYSTEM_SESSION, at=now,
+                            actor=ACTOR, reason=reason, message=message, subject=subject[:300],
+                            request_id=_request_id_of(data), excerpt=excerpt(data))
+    return Append(event, request_rejected_id(request_seq))
 
-    def fold(self, seq: int, event: Event | None) -> None:
-        if event is not None:
-            evolve(self.state, event, seq)
-        elif seq > self.state.last_seq:
-            self.state.last_seq = seq  # unreadable event: skipped, but the position moves
-        if self.state.last_seq >= self.written_upto:
-            self.caught_up.set()
 
-    @property
-    def is_caught_up(self) -> bool:
-        return self.state.last_seq >= self.written_upto
+def fail_open_turns(state: SessionState, message: str, *, now: float) -> list[Append]:
+    """End every open turn `internal`: what deciding for this session raised on."""
+    return [Append(TurnFailed(session_id=state.session_id, at=now, actor=ACTOR,
+                              turn_id=t, request_id=state.turns[t].request_id,
+                              reason="internal", message=message,
+                              outcomes=turn_outcomes(state, state.turns[t])),
+                   turn_ended_id(state.session_id, t))
+            for t in state.open_turns]
+
+
+# --- effects ----------------------------------------------------------------------------
 
 
 class SessionActor:
@@ -246,219 +279,106 @@ class SessionActor:
         approval: InlineApproval | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_calls: int = DEFAULT_MAX_CALLS,
-        cache_size: int = 10_000,
+        cache_size: int = SESSION_CACHE_SIZE,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._bus = bus
-        self._log = EventLog(bus)
+        self._kernel = Kernel(bus, ACTOR, clock=clock)
+        self._states = SessionStates(bus, self._kernel.log, size=cache_size,
+                                     snapshot_every=SNAPSHOT_EVERY)
         self._max_parallel = max_parallel
         self._approval = approval
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
-        self._cache: OrderedDict[str, _Entry] = OrderedDict()
-        self._cache_size = cache_size
-        self._loading: dict[str, asyncio.Future[_Entry]] = {}
         self._clock = clock
-        self._requests = PullLoop(
-            bus, ConsumerSpec(REQUESTS_STREAM, "session-requests", (f"{REQUESTS_PREFIX}.>",)),
-            self._on_request, key=session_of,
-        )
-        self._events = PullLoop(
-            bus, ConsumerSpec(EVENTS_STREAM, "session-events", (f"{EVENTS_PREFIX}.>",)),
-            self._on_event, key=session_of, max_in_flight=512,
-        )
+        self._kernel.add(Inbox(
+            ConsumerSpec(EVENTS_STREAM, "session-events", (f"{EVENTS_PREFIX}.>",),
+                         ack_wait_s=ACK_WAIT_S * 10),
+            self._on_event, self._reject_event, max_in_flight=512))
+        self._kernel.add(Inbox(
+            ConsumerSpec(REQUESTS_STREAM, "session-requests", (f"{REQUESTS_PREFIX}.>",),
+                         ack_wait_s=ACK_WAIT_S * 10),
+            self._on_request, self._reject_request))
         self._state_rpc = Responder(bus, f"{STATE_PREFIX}.*", self._on_state_request,
                                     queue="session")
 
+    @property
+    def kernel(self) -> Kernel:
+        return self._kernel
+
     async def start(self) -> None:
-        await self._events.start()
-        await self._requests.start()
+        await self._kernel.start()
         await self._state_rpc.start()
 
     async def stop(self, grace: float = 5.0) -> None:
         await self._state_rpc.stop()
-        await self._requests.stop(grace)
-        await self._events.stop(grace)
+        await self._kernel.stop(grace)
 
-    # -- cache
+    def _decide(self, state: SessionState) -> list[Append]:
+        return decide(state, now=self._clock(), max_parallel=self._max_parallel)
 
-    async def _entry(self, sid: str) -> _Entry:
-        entry = self._cache.get(sid)
-        if entry is not None:
-            self._cache.move_to_end(sid)
-            return entry
-        loading = self._loading.get(sid)
-        if loading is not None:
-            return await asyncio.shield(loading)
-        fut: asyncio.Future[_Entry] = asyncio.get_running_loop().create_future()
-        self._loading[sid] = fut
-        try:
-            entry = _Entry(SessionState(session_id=sid))
-            for stored in await self._log.read_session(sid):
-                entry.fold(stored.seq, stored.event)
-            entry.caught_up.set()
-            self._cache[sid] = entry
-            self._evict()
-            fut.set_result(entry)
-            return entry
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: waiters re-raise it themselves
-            raise
-        finally:
-            del self._loading[sid]
+    async def _settle(self, entry: Entry) -> None:
+        if not await self._states.decide_and_write(entry, self._decide,
+                                                   attempts=DECIDE_ATTEMPTS):
+            log.warning("session %s: gave up deciding after %d conflicts",
+                        entry.state.session_id, DECIDE_ATTEMPTS)
 
-    def _evict(self) -> None:
-        while len(self._cache) > self._cache_size:
-            sid, entry = next(iter(self._cache.items()))
-            if entry.lock.locked():
-                self._cache.move_to_end(sid)
-                return
-            del self._cache[sid]
-
-    async def _catch_up(self, entry: _Entry, timeout: float = 2.0) -> None:
-        """Wait (lock released by the caller) until our own writes have come back."""
-        if entry.is_caught_up:
-            return
-        entry.caught_up.clear()
-        try:
-            async with asyncio.timeout(timeout):
-                while not entry.is_caught_up:
-                    await entry.caught_up.wait()
-                    entry.caught_up.clear()
-        except TimeoutError:
-            await self._reread(entry)
-
-    async def _reread(self, entry: _Entry) -> None:
-        for stored in await self._log.read_session(entry.state.session_id,
-                                                   after=entry.state.last_seq):
-            entry.fold(stored.seq, stored.event)
-        entry.written_upto = min(entry.written_upto, entry.state.last_seq)
-        entry.caught_up.set()
-
-    # -- writing decisions
-
-    async def _write(self, entry: _Entry, items: list[Append]) -> None:
-        """Append a decision under the concurrency check, and fold it at once when that is
-        provably in order; else wait for it to come back through the consumer."""
-        results = await self._log.append_decision(items, expect_last=entry.state.last_seq)
-        seqs = [r.seq for r in results]
-        # The first event passed the check, so it directly follows `last_seq`. When the
-        # stream sequences are contiguous, nothing at all was stored between them, so the
-        # whole decision can be folded now instead of waiting for it to come back.
-        if not any(r.duplicate for r in results) and seqs == list(
-            range(seqs[0], seqs[0] + len(seqs))
-        ):
-            for r, item in zip(results, items, strict=True):
-                entry.fold(r.seq, item.event)
-        else:
-            entry.written_upto = max(entry.written_upto, *(r.seq for r in results))
-            if not entry.is_caught_up:
-                entry.caught_up.clear()
-
-    async def _decide_and_write(self, entry: _Entry) -> None:
-        for _ in range(_DECIDE_ATTEMPTS):
-            if not entry.is_caught_up:
-                return  # the writes that are coming back will trigger the next decision
-            items = decide(entry.state, now=self._clock(), max_parallel=self._max_parallel)
-            if not items:
-                return
-            try:
-                await self._write(entry, items)
-            except ConcurrencyError:
-                await self._reread(entry)
-                continue
-        log.warning("session %s: gave up deciding after %d conflicts",
-                    entry.state.session_id, _DECIDE_ATTEMPTS)
-
-    # -- handlers
+    # -- every event of every session
 
     async def _on_event(self, delivery: Delivery) -> None:
         sid = session_of(delivery.subject)
         if not is_token(sid):
             await delivery.ack()
             return
-        entry = await self._entry(sid)
+        entry = await self._states.entry(sid)
         async with entry.lock:
             if delivery.stream_seq > entry.state.last_seq:
                 stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
                 if stored.event is None:
                     log.warning("session %s: unreadable event at seq %d: %s",
                                 sid, stored.seq, stored.error)
-                entry.fold(stored.seq, stored.event)
-            await self._decide_and_write(entry)
+                self._states.fold(entry, stored.seq, stored.event)
+            await self._settle(entry)
         await delivery.ack()
+
+    def _reject_event(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
+        entry = self._states.peek(session_of(delivery.subject))
+        failed = [] if entry is None else fail_open_turns(entry.state, message,
+                                                          now=self._clock())
+        return failed or [self._kernel.generic_rejection(delivery, reason, message)]
+
+    # -- requests
 
     async def _on_request(self, delivery: Delivery) -> None:
         subject = delivery.subject
         sid = subject[len(REQUESTS_PREFIX) + 1:]
-        now = self._clock()
         try:
             check_session_id(sid)
         except InvalidIdError as exc:
-            rejected = RequestRejected(session_id=SYSTEM_SESSION, at=now, actor=ACTOR,
-                                       reason="invalid_session_id", message=str(exc),
-                                       subject=subject, excerpt=_excerpt(delivery.data))
-            await self._log.append(Append(rejected, f"req:{delivery.stream_seq}:rejected"))
-            await delivery.ack()
-            return
+            raise PoisonError("invalid_session_id", str(exc)) from exc
         try:
             request = parse_request(delivery.data, max_bytes=self._max_request_bytes,
                                     max_calls=self._max_calls)
         except InvalidRequestError as exc:
-            rejected = RequestRejected(session_id=sid, at=now, actor=ACTOR, reason=exc.reason,
-                                       message=exc.message, subject=subject,
-                                       request_id=_request_id_of(delivery.data),
-                                       excerpt=_excerpt(delivery.data))
-            await self._log.append(Append(rejected, f"req:{delivery.stream_seq}:rejected"))
-            await delivery.ack()
-            return
-        request_id = request.request_id or f"auto-{delivery.stream_seq}"
-        entry = await self._entry(sid)
-        for _ in range(_DECIDE_ATTEMPTS):
-            await self._catch_up(entry)
+            raise PoisonError(exc.reason, exc.message) from exc
+        request_id = request.request_id or f"{AUTO_REQUEST_PREFIX}{delivery.stream_seq}"
+        entry = await self._states.entry(sid)
+        approver = self._approval.decide_inline if self._approval else None
+
+        def decide_this(state: SessionState) -> list[Append]:
+            return decide_request(state, request, request_id, now=self._clock(),
+                                  subject=subject, request_seq=delivery.stream_seq,
+                                  approver=approver, max_parallel=self._max_parallel)
+
+        for _ in range(DECIDE_ATTEMPTS):
+            await self._states.catch_up(entry)
             async with entry.lock:
                 if not entry.is_caught_up:
                     continue
-                turn_id = turn_id_for(request_id)
-                known = entry.state.turns.get(turn_id)
-                missing = [] if known is None else \
-                    [c for c in known.call_ids if c not in entry.state.calls]
-                if known is not None and missing:
-                    # The turn was stored but some of its calls were not (a crash in the
-                    # middle of the batch): store the missing ones, same ids, and go on.
-                    items = [i for i in accept_request(entry.state, request, request_id,
-                                                       now=now)
-                             if isinstance(i.event, CallRequested)
-                             and i.event.call_id in missing]
-                    log.warning("session %s: turn %s was missing %d call(s); restored",
-                                sid, turn_id, len(items))
-                    try:
-                        await self._write(entry, items)
-                    except ConcurrencyError:
-                        await self._reread(entry)
-                        continue
-                    await self._decide_and_write(entry)
-                    break
-                if known is not None:
-                    if known.request_id == request_id:
-                        rejected = RequestRejected(
-                            session_id=sid, at=now, actor=ACTOR, reason="duplicate_request",
-                            request_id=request_id, subject=subject,
-                            message=f"request {request_id!r} was already accepted as turn "
-                                    f"{turn_id} ({known.status}); its calls do not run again",
-                        )
-                        await self._log.append(
-                            Append(rejected, f"req:{delivery.stream_seq}:rejected"))
-                        break
-                items = accept_request(
-                    entry.state, request, request_id, now=now,
-                    approver=self._approval.decide_inline if self._approval else None,
-                    max_parallel=self._max_parallel)
+                items = decide_this(entry.state)
                 try:
-                    await self._write(entry, items)
+                    await self._states.write(entry, items)
                 except ConcurrencyError:
-                    await self._reread(entry)
+                    await self._states.reread(entry)
                     continue
                 if self._approval is not None:
                     self._approval.stored_inline([
@@ -466,34 +386,43 @@ class SessionActor:
                         if isinstance(i.event, CallApproved | CallRejected)])
                 # What the request made due at once (a turn whose calls were all
                 # rejected ends now), in case its events were folded right away.
-                await self._decide_and_write(entry)
+                await self._settle(entry)
                 break
         else:
-            # Never silently dropped: left unacked, it is redelivered and tried again.
-            log.warning("session %s: request %s kept conflicting; will be redelivered",
-                        sid, request_id)
-            await delivery.nak(delay=1.0)
-            return
+            # Never silently dropped: a passing error, so the kernel redelivers it.
+            raise ConcurrencyError(subject, entry.state.last_seq,
+                                   f"request {request_id} kept conflicting")
         await delivery.ack()
+
+    def _reject_request(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
+        return [reject_request(delivery.subject, delivery.data, delivery.stream_seq, reason,
+                               message, now=self._clock())]
+
+    # -- state queries
 
     async def _on_state_request(self, subject: str, data: bytes) -> bytes:
         sid = subject[len(STATE_PREFIX) + 1:]
         check_session_id(sid)
-        entry = await self._entry(sid)
-        await self._catch_up(entry)
+        entry = await self._states.entry(sid)
+        await self._states.catch_up(entry)
         async with entry.lock:
-            return encode_state(entry.state)
+            encoded = encode_state(entry.state)
+            if len(encoded) > MAX_STATE_REPLY_BYTES:
+                raise RpcError("too_large", f"the state of {sid} is {len(encoded)} bytes, "
+                               f"over the {MAX_STATE_REPLY_BYTES}-byte reply limit; fold "
+                               f"it from the log (`toolbus state` does) up to sequence "
+                               f"{entry.state.last_seq}")
+            return encoded
 
 
-def _excerpt(data: bytes, limit: int = 200) -> str:
-    text = data[:limit].decode("utf-8", errors="replace")
-    return text + ("…" if len(data) > limit else "")
+# A reply must fit the server's max payload with room to spare.
+MAX_STATE_REPLY_BYTES = 4 * 1024 * 1024
 
 
 def _request_id_of(data: bytes) -> str | None:
     try:
-        body = msgspec.json.decode(data[:DEFAULT_MAX_REQUEST_BYTES])
-    except (msgspec.DecodeError, ValueError):
+        body = decode_json(data[:DEFAULT_MAX_REQUEST_BYTES], what="request")
+    except InvalidRequestError:
         return None
     rid = body.get("request_id") if isinstance(body, dict) else None
-    return rid if isinstance(rid, str) else None
+    return rid if isinstance(rid, str) and len(rid) <= 256 else None

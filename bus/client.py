@@ -11,14 +11,24 @@ from typing import Any
 import msgspec
 import nats.errors
 
+from bus import trace
+from bus.artifacts import ArtifactStore
 from bus.connection import Bus
 from bus.eventlog import EventLog, decode_stored
 from bus.headers import Header
-from bus.subjects import LIVE_PREFIX, request_subject, state_subject
+from bus.rpc import check_reply
+from bus.subjects import LIVE_PREFIX, live_filter, request_subject, state_subject
 from schemas.errors import BusError, BusTimeoutError
-from schemas.events import RequestRejected, TurnCompleted, TurnFailed
-from schemas.ids import check_session_id, turn_id_for
-from schemas.state import SessionState, decode_state
+from schemas.events import (
+    CallOutcome,
+    CallSucceeded,
+    Event,
+    RequestRejected,
+    TurnCompleted,
+    TurnFailed,
+)
+from schemas.ids import check_session_id, client_request_id, turn_id_for
+from schemas.state import SessionState, decode_state, fold
 
 TurnEnd = TurnCompleted | TurnFailed | RequestRejected
 
@@ -30,14 +40,30 @@ class Submitted:
     duplicate: bool
 
 
-class _Watcher:
-    """One subscription per session, routing turn ends to the callers waiting on them."""
+def _turn_of(call_id: str) -> str:
+    return call_id.rsplit("-", 1)[0]
 
-    def __init__(self) -> None:
+
+class _Watcher:
+    """One subscription per session on its live events, routing turn ends (and the
+    results of their calls, which the turn's end only references) to the callers
+    waiting on them. One subscription, so they arrive in stream order."""
+
+    def __init__(self, session_id: str) -> None:
         self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
+        self.results: dict[str, CallSucceeded] = {}
         self.subs: list[Any] = []
+        self._prefix = f"{LIVE_PREFIX}.{session_id}."
 
     async def on_msg(self, msg: Any) -> None:
+        kind = msg.subject[len(self._prefix):]
+        if kind == "call.succeeded":
+            ev = decode_stored(0, msg.subject, msg.data).event
+            if isinstance(ev, CallSucceeded) and _turn_of(ev.call_id) in self.waiting:
+                self.results[ev.call_id] = ev
+            return
+        if not (kind.startswith("turn.") or kind == "request.rejected"):
+            return
         ev = decode_stored(0, msg.subject, msg.data).event
         if isinstance(ev, TurnCompleted | TurnFailed):
             key = ev.turn_id
@@ -61,12 +87,8 @@ class ToolbusClient:
         w = self._watchers.get(session_id)
         if w is not None:
             return w
-        w = _Watcher()
-        nc = self.bus.nc
-        w.subs = [
-            await nc.subscribe(f"{LIVE_PREFIX}.{session_id}.turn.*", cb=w.on_msg),
-            await nc.subscribe(f"{LIVE_PREFIX}.{session_id}.request.rejected", cb=w.on_msg),
-        ]
+        w = _Watcher(session_id)
+        w.subs = [await self.bus.nc.subscribe(live_filter(session_id), cb=w.on_msg)]
         self._watchers[session_id] = w
         if len(self._watchers) > self._max_watched:
             for sid, old in list(self._watchers.items()):
@@ -86,8 +108,13 @@ class ToolbusClient:
         request_id: str | None = None,
         agent: str | None = None,
         timeout: float = 60.0,
+        full: bool = False,
     ) -> TurnEnd:
-        """Submit one request and wait (bounded) for how its turn ended."""
+        """Submit one request and wait (bounded) for how its turn ended.
+
+        The outcomes of the turn's end carry their results (`result`, or `result_ref`
+        for one too large for an event); with `full`, referenced results are fetched
+        from the object store too (`result` then holds them)."""
         check_session_id(session_id)
         request_id = request_id or uuid.uuid4().hex
         turn_id = turn_id_for(request_id)
@@ -103,14 +130,14 @@ class ToolbusClient:
                 body = msgspec.json.encode(request)
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
-                    found = await self._find_end(session_id, turn_id)
+                    found = await self.find_end(session_id, turn_id, full=full)
                     if found is not None:
                         return found
                 while True:
                     ev = await fut
                     if not (isinstance(ev, RequestRejected) and ev.reason == "duplicate_request"):
-                        return ev
-                    found = await self._find_end(session_id, turn_id)
+                        return await self._with_results(ev, watcher.results, full=full)
+                    found = await self.find_end(session_id, turn_id, full=full)
                     if found is not None:
                         return found
                     fut = asyncio.get_running_loop().create_future()
@@ -123,6 +150,8 @@ class ToolbusClient:
             ) from exc
         finally:
             watcher.waiting.pop(turn_id, None)
+            for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
+                del watcher.results[call_id]
 
     @property
     def watched_sessions(self) -> list[str]:
@@ -139,7 +168,8 @@ class ToolbusClient:
         try:
             ack = await self.bus.js.publish(
                 request_subject(session_id), body, timeout=5.0,
-                headers={Header.MSG_ID.value: f"{session_id}:{request_id}"},
+                headers={Header.MSG_ID.value: client_request_id(session_id, request_id),
+                         **trace.headers_for_child(None)},
             )
         except nats.errors.NoRespondersError as exc:
             raise BusError(
@@ -147,12 +177,46 @@ class ToolbusClient:
             ) from exc
         return Submitted(request_id, turn_id_for(request_id), bool(ack.duplicate))
 
-    async def _find_end(self, session_id: str, turn_id: str) -> TurnEnd | None:
-        for stored in await self.log.read_session(session_id):
-            ev = stored.event
-            if isinstance(ev, TurnCompleted | TurnFailed) and ev.turn_id == turn_id:
-                return ev
-        return None
+    async def _with_results(self, end: TurnEnd, seen: dict[str, CallSucceeded], *,
+                            full: bool) -> TurnEnd:
+        """The turn's end with each succeeded outcome's result filled in: from the live
+        events already seen, else read at the sequence the outcome references."""
+        if isinstance(end, RequestRejected) or not end.outcomes:
+            return end
+        outcomes: list[CallOutcome] = []
+        for o in end.outcomes:
+            if o.status != "succeeded" or o.result is not None:
+                outcomes.append(o)
+                continue
+            ev: Event | None = seen.get(o.call_id)
+            if ev is None and o.result_seq is not None:
+                stored = await self.log.read_at(o.result_seq)
+                ev = stored.event if stored is not None else None
+            if isinstance(ev, CallSucceeded):
+                o = msgspec.structs.replace(o, result=ev.result, result_ref=ev.result_ref)
+            if full and o.result_ref is not None and o.result is None:
+                data = await ArtifactStore(self.bus).read(o.result_ref)
+                o = msgspec.structs.replace(o, result=msgspec.json.decode(data))
+            outcomes.append(o)
+        return msgspec.structs.replace(end, outcomes=outcomes)
+
+    async def fold_session(self, session_id: str, *, until: int | None = None
+                           ) -> SessionState:
+        """The session's state, folded here from its log with the actors' reducer."""
+        stored = await self.log.read_session(session_id, until=until)
+        return fold(session_id, ((s.seq, s.event) for s in stored))
+
+    async def find_end(self, session_id: str, turn_id: str, *,
+                       full: bool = False) -> TurnEnd | None:
+        """How a turn ended, if it did: located through the session's folded state."""
+        turn = (await self.fold_session(session_id)).turns.get(turn_id)
+        if turn is None or turn.ended_seq is None:
+            return None
+        stored = await self.log.read_at(turn.ended_seq)
+        ev = stored.event if stored is not None else None
+        if not isinstance(ev, TurnCompleted | TurnFailed):
+            return None
+        return await self._with_results(ev, {}, full=full)
 
     async def live_state(self, session_id: str, timeout: float = 5.0) -> SessionState:
         """The session actor's in-memory state of a session."""
@@ -163,6 +227,4 @@ class ToolbusClient:
             raise BusTimeoutError(
                 f"no session actor answered for {session_id}: is `toolbus up` running?"
             ) from exc
-        if msg.data.startswith(b'{"error"'):
-            raise BusError(msgspec.json.decode(msg.data)["error"])
-        return decode_state(msg.data)
+        return decode_state(check_reply(msg.data))

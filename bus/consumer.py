@@ -49,8 +49,9 @@ class Delivery:
         await self._msg.term()
 
     @property
-    def headers(self) -> dict[str, str]:
-        return self._msg.headers or {}
+    def headers(self) -> dict[str, str] | None:
+        """The message's headers (trace context among them), None when it has none."""
+        return self._msg.headers
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
@@ -82,10 +83,6 @@ class PullLoop:
         self._stopping = False
         self._last_seen = 0.0
         self._runner: asyncio.Task[None] | None = None
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
 
     async def start(self) -> None:
         await ensure_consumer(self._bus, self._spec)

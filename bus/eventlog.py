@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,18 +15,10 @@ from nats.aio.msg import Msg
 
 from bus.connection import Bus
 from bus.headers import Header, Status
-from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, event_subject, session_filter
-from schemas.errors import AppendError, BusTimeoutError, ConcurrencyError
-from schemas.events import (
-    AnyEvent,
-    CallFailed,
-    CallStarted,
-    CallSucceeded,
-    Event,
-    decode_event,
-    encode_event,
-    event_type,
-)
+from bus.subjects import EVENTS_STREAM, event_subject, session_filter
+from schemas.defaults import MAX_EVENT_BYTES
+from schemas.errors import AppendError, BusTimeoutError, ConcurrencyError, EventTooLargeError
+from schemas.events import AnyEvent, Event, decode_event, encode_event, event_type
 
 log = logging.getLogger("toolbus.bus")
 
@@ -147,21 +139,26 @@ class _Publisher:
 
 
 class EventLog:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._bus = bus
         self._pub = _Publisher(bus)
+        self._max_event_bytes = max_event_bytes
 
-    @staticmethod
-    def _prepare(item: Append, expect_last: int | None,
-                 expect_subject: str | None) -> tuple[str, bytes, dict[str, str]]:
+    def _prepare(self, item: Append, expect_last: int | None, expect_subject: str | None,
+                 extra: Mapping[str, str] | None) -> tuple[str, bytes, dict[str, str]]:
         event = item.event
         subject = event_subject(event.session_id, event_type(event), item.route)
+        payload = encode_event(event)
+        if len(payload) > self._max_event_bytes:
+            raise EventTooLargeError(subject, len(payload), self._max_event_bytes)
         headers = {Header.MSG_ID.value: item.msg_id}
+        if extra:
+            headers.update(extra)
         if expect_last is not None:
             headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value] = str(expect_last)
             headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value] = (
                 expect_subject or session_filter(event.session_id))
-        return subject, encode_event(event), headers
+        return subject, payload, headers
 
     @staticmethod
     def _result(subject: str, ack: _PubAck, expect_last: int | None) -> AppendResult:
@@ -174,21 +171,23 @@ class EventLog:
         raise AppendError(subject, f"{description} (code {code})")
 
     async def append(self, item: Append, *, expect_last: int | None = None,
-                     expect_subject: str | None = None) -> AppendResult:
+                     expect_subject: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> AppendResult:
         """Store one event, idempotently; returns its stream sequence (the original one,
         flagged `duplicate`, when the message id was already stored).
 
         With `expect_last`, the append succeeds only if the session's last event (or the
         last on `expect_subject`, a subject filter) is at that sequence (`ConcurrencyError`
         otherwise). Timeouts and 503s are retried with the same message id, so a retry can
-        never store the fact twice.
+        never store the fact twice. An event over the size limit is never sent
+        (`EventTooLargeError`).
         """
-        subject, payload, headers = self._prepare(item, expect_last, expect_subject)
+        subject, payload, hdrs = self._prepare(item, expect_last, expect_subject, headers)
         delay = 0.05
         last_error: Exception | None = None
         for _ in range(_APPEND_ATTEMPTS):
             try:
-                ack = await self._pub.publish(subject, payload, headers, _APPEND_TIMEOUT_S)
+                ack = await self._pub.publish(subject, payload, hdrs, _APPEND_TIMEOUT_S)
             except _RETRYABLE as exc:
                 last_error = exc
                 await asyncio.sleep(delay)
@@ -199,7 +198,8 @@ class EventLog:
                                    f"{type(last_error).__name__}: {last_error}")
 
     async def append_decision(
-        self, items: Sequence[Append], *, expect_last: int | None
+        self, items: Sequence[Append], *, expect_last: int | None,
+        headers: Mapping[str, str] | None = None,
     ) -> list[AppendResult]:
         """Store the events of one decision: the first under the concurrency check, the
         rest pipelined behind it. Returns their results in order."""
@@ -208,7 +208,7 @@ class EventLog:
         # harmless, because a decision's events have deterministic ids and the
         # re-decision after a re-read writes the same ids (deduplicated) and the reducer
         # accepts either order.
-        prepared = [self._prepare(item, expect_last if i == 0 else None, None)
+        prepared = [self._prepare(item, expect_last if i == 0 else None, None, headers)
                     for i, item in enumerate(items)]
         sent: list[tuple[str, asyncio.Future[Msg]] | None] = []
         for subject, payload, headers in prepared:
@@ -229,7 +229,7 @@ class EventLog:
                         continue
                     except _RETRYABLE:
                         pass
-                results.append(await self.append(item, expect_last=expect))
+                results.append(await self.append(item, expect_last=expect, headers=headers))
             except AppendError as exc:  # ConcurrencyError included: raised after the rest
                 failure = failure or exc
         if failure is not None:
@@ -284,21 +284,17 @@ class EventLog:
                 if got == 0 or pending == 0:
                     return out
 
-    async def call_progress(self, session_id: str, call_id: str) -> tuple[bool, bool]:
-        """(started, ended) of one call, read from the log: what a redelivered or orphaned
-        dispatch needs to know before anything runs again."""
-        started = ended = False
-        for stored in await self.read_session(
-                session_id, subject_filter=f"{EVENTS_PREFIX}.{session_id}.call.>"):
-            ev = stored.event
-            if ev is None or getattr(ev, "call_id", None) != call_id:
-                continue
-            if isinstance(ev, CallStarted):
-                started = True
-            elif isinstance(ev, CallSucceeded | CallFailed):
-                ended = True
-        return started, ended
-
-    async def last_sequence(self) -> int:
-        info = await self._bus.js.stream_info(EVENTS_STREAM)
-        return int(info.state.last_seq)
+    async def read_at(self, seq: int, *, timeout: float = 5.0) -> StoredEvent | None:
+        """The event at one stream sequence (a direct get), None if there is none."""
+        api = f"$JS.API.DIRECT.GET.{EVENTS_STREAM}"
+        try:
+            msg = await self._bus.nc.request(api, json.dumps({"seq": seq}).encode(),
+                                             timeout=timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise BusTimeoutError(f"reading event {seq}: no answer in {timeout:g} s"
+                                  ) from exc
+        hdrs = msg.headers or {}
+        if hdrs.get(Header.STATUS.value):
+            return None
+        return decode_stored(int(hdrs[Header.SEQUENCE.value]), hdrs[Header.SUBJECT.value],
+                             msg.data)

@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus.connection import Bus
-from schemas.errors import ToolbusError
+from schemas.errors import RpcError, ToolbusError
 
 log = logging.getLogger("toolbus.bus")
 
@@ -22,8 +23,10 @@ Handler = Callable[[str, bytes], Awaitable[bytes]]
 class Responder:
     """Answers requests on `subject` (queue-grouped, so N processes share them).
 
-    A handler's `ToolbusError` becomes `{"error": message}`; anything else is logged and
-    answered with a generic error, so a client never waits for a reply that is not coming.
+    An error is answered `{"ok": false, "code": ..., "error": message}`: a handler's
+    `RpcError` with its code, any other `ToolbusError` as `invalid`, anything else is
+    logged and answered `internal`, so a client never waits for a reply that is not
+    coming. `check_reply` turns such an answer back into an `RpcError`.
     """
 
     def __init__(self, bus: Bus, subject: str, handler: Handler, *, queue: str) -> None:
@@ -54,10 +57,34 @@ class Responder:
             return
         try:
             reply = await self._handler(msg.subject, msg.data)
+        except RpcError as exc:
+            reply = _error(exc.code, exc.message, exc.details)
         except ToolbusError as exc:
-            reply = msgspec.json.encode({"error": str(exc)})
+            reply = _error("invalid", str(exc))
         except Exception as exc:
             log.exception("request on %s failed", msg.subject)
-            reply = msgspec.json.encode({"error": f"internal error: {type(exc).__name__}"})
+            reply = _error("internal", f"internal error: {type(exc).__name__}")
         with contextlib.suppress(Exception):
             await self._bus.nc.publish(msg.reply, reply)
+
+
+class _ErrorReply(msgspec.Struct):
+    ok: bool = True
+    code: str = "internal"
+    error: str = ""
+
+
+_error_decoder = msgspec.json.Decoder(_ErrorReply)
+
+
+def _error(code: str, message: str, details: dict[str, Any] | None = None) -> bytes:
+    return msgspec.json.encode({"ok": False, "code": code, "error": message,
+                                **(details or {})})
+
+
+def check_reply(data: bytes) -> bytes:
+    """The reply, or `RpcError(code, message)` if it is an error answer."""
+    if data.startswith(b'{"ok":false'):
+        answer = _error_decoder.decode(data)
+        raise RpcError(answer.code, answer.error)
+    return data

@@ -29,18 +29,23 @@ from bus.subjects import (
     EVENTS_PREFIX,
     EVENTS_STREAM,
     EXECUTORS_BUCKET,
-    EXECUTORS_TTL_S,
     LIVE_PREFIX,
     REQUESTS_PREFIX,
     REQUESTS_STREAM,
     SNAPSHOTS_BUCKET,
 )
+from schemas.defaults import (
+    DUPLICATE_WINDOW_S,
+    EXECUTORS_TTL_S,
+    MAX_EVENT_BYTES,
+    SERVER_MAX_PAYLOAD,
+)
 from schemas.errors import BusError
 
 log = logging.getLogger("toolbus.bus")
 
-DUPLICATE_WINDOW_S = 600.0
-MAX_EVENT_BYTES = 1024 * 1024
+# The stream's own cap, a backstop above the event limit that EventLog enforces.
+_EVENTS_MAX_MSG_BYTES = 4 * MAX_EVENT_BYTES
 
 
 def events_stream_config() -> StreamConfig:
@@ -52,7 +57,7 @@ def events_stream_config() -> StreamConfig:
         storage=StorageType.FILE,
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
-        max_msg_size=MAX_EVENT_BYTES,
+        max_msg_size=_EVENTS_MAX_MSG_BYTES,
         republish=RePublish(src=f"{EVENTS_PREFIX}.>", dest=f"{LIVE_PREFIX}.>"),
     )
 
@@ -65,7 +70,9 @@ def requests_stream_config() -> StreamConfig:
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=MAX_EVENT_BYTES,
+        # Up to the server's max payload: an oversized request is stored, then rejected
+        # with a `request.rejected` that says so, instead of vanishing at the socket.
+        max_msg_size=SERVER_MAX_PAYLOAD,
     )
 
 

@@ -11,7 +11,6 @@ SNAPSHOTS_BUCKET: Final = "toolbus_snapshots"
 ARTIFACTS_BUCKET: Final = "toolbus_artifacts"
 # Live executor instances, `<instance>` -> {pool, tools}; entries expire unless refreshed.
 EXECUTORS_BUCKET: Final = "toolbus_executors"
-EXECUTORS_TTL_S: Final = 15.0
 
 EVENTS_PREFIX: Final = "toolbus.evt"
 # Every *stored* event is republished by the server on `toolbus.live.<sid>.<type>...`, in

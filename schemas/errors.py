@@ -6,12 +6,16 @@
     ├── ConfigError               a setting or command-line option is unusable
     │   ├── ManifestError         a manifest file is invalid (names the key path)
     │   └── ToolConflictError     two sources register the same tool name
+    ├── RpcError                  an actor answered a request with an error (has a `code`)
     └── BusError                  anything that went wrong talking to NATS
         ├── ConnectError          the server could not be reached
         ├── ServerStartError      the embedded nats-server could not start
         │   └── PortInUseError    its port is taken
         ├── AppendError           an event could not be stored
-        │   └── ConcurrencyError  the session moved on since the writer last read it
+        │   ├── ConcurrencyError  the session moved on since the writer last read it
+        │   └── EventTooLargeError  an event is over the event size limit
+        ├── ArtifactError         a large result could not be stored in or read from the
+        │                         object store
         └── BusTimeoutError       a bounded wait on the bus ran out
 
 A failing *tool* is never an exception on the bus: it is a `call.failed` event.
@@ -106,5 +110,33 @@ class ConcurrencyError(AppendError):
         super().__init__(subject, f"expected last session sequence {expected}; {detail}")
 
 
+class EventTooLargeError(AppendError):
+    """Not retryable: the same event is as large the next time."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(subject, f"the event is {size} bytes; the limit is {limit}")
+
+
+class ArtifactError(BusError):
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        super().__init__(f"artifact {key}: {detail}")
+
+
 class BusTimeoutError(BusError, TimeoutError):
     pass
+
+
+class RpcError(ToolbusError):
+    """An error answer to a request: `code` is stable (match on it), `message` is for
+    people. Codes: `invalid` (the request is malformed), `not_found`, `conflict` (e.g.
+    already decided), `too_large`, `internal`."""
+
+    def __init__(self, code: str, message: str, **details: str | int | None) -> None:
+        self.code = code
+        self.message = message
+        self.details = details  # more fields of the answer, e.g. who decided first
+        super().__init__(message)

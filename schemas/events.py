@@ -24,15 +24,33 @@ class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
     retryable: bool = False
 
 
+class ResultRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A result too large for an event: its JSON is in the `toolbus_artifacts` object
+    store under `key`, `size` bytes with this `sha256` (hex); `preview` is its first
+    characters."""
+
+    key: str
+    size: int
+    sha256: str
+    preview: str = ""
+
+
 OutcomeStatus = Literal["succeeded", "failed", "rejected"]
 
 
 class CallOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """How one call of a turn ended. A reference, never a copy of the result: the result
+    is in the call's terminal event at `result_seq` (or, when large, in the object store
+    under `result_ref`). Readers resolve it on request; `result` is only filled in by
+    clients that did (and in events written before references)."""
+
     call_id: str
     tool: str
     status: OutcomeStatus
     result: Any = None
     error: ErrorInfo | None = None
+    result_seq: int | None = None
+    result_ref: ResultRef | None = None
 
 
 class TurnRequested(Event, frozen=True, tag="turn.requested"):
@@ -128,11 +146,15 @@ class CallStarted(Event, frozen=True, tag="call.started"):
 
 
 class CallSucceeded(Event, frozen=True, tag="call.succeeded"):
+    """`result` is the tool's result, or None when it was too large for an event: then
+    `result_ref` says where it is."""
+
     call_id: str
     turn_id: str
     result: Any
     executor: str
     duration_ms: float = 0.0
+    result_ref: ResultRef | None = None
 
 
 class CallFailed(Event, frozen=True, tag="call.failed"):
@@ -256,7 +278,11 @@ def summarize(event: Event) -> str:
         case CallStarted():
             return f"{event.call_id} on {event.executor} (attempt {event.attempt})"
         case CallSucceeded():
-            res = _encoder.encode(event.result).decode()
+            if event.result_ref is not None:
+                ref = event.result_ref
+                res = f"{ref.size} bytes stored as {ref.key}: {ref.preview}"
+            else:
+                res = _encoder.encode(event.result).decode()
             return f"{event.call_id} {_clip(res)} in {event.duration_ms:.2f} ms"
         case CallFailed():
             return f"{event.call_id} {event.error_type}: {_clip(event.message)}"

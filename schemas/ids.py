@@ -67,6 +67,66 @@ def call_id_for(turn_id: str, index: int) -> str:
     return f"{turn_id}-{index}"
 
 
+# -- message ids -------------------------------------------------------------------------
+# Every event toolbus stores carries one of these as `Nats-Msg-Id`, so a redelivered
+# message, a retried append or two processes racing write each fact once. They are
+# derived from the session and the turn or call id only, never from time or chance.
+
+
+def turn_requested_id(session_id: str, turn_id: str) -> str:
+    return f"{session_id}:{turn_id}:requested"
+
+
+def turn_ended_id(session_id: str, turn_id: str) -> str:
+    """`turn.completed` and `turn.failed` share it: a turn ends once."""
+    return f"{session_id}:{turn_id}:ended"
+
+
+def call_requested_id(session_id: str, call_id: str) -> str:
+    return f"{session_id}:{call_id}:requested"
+
+
+def policy_decision_id(session_id: str, call_id: str) -> str:
+    """`call.approved`, `approval.requested` and `call.rejected` share it."""
+    return f"{session_id}:{call_id}:policy"
+
+
+def human_decision_id(session_id: str, call_id: str) -> str:
+    """`approval.granted` and `approval.denied` share it."""
+    return f"{session_id}:{call_id}:decision"
+
+
+def dispatch_id(session_id: str, call_id: str) -> str:
+    return f"{session_id}:{call_id}:dispatch"
+
+
+def call_started_id(session_id: str, call_id: str, attempt: int) -> str:
+    return f"{session_id}:{call_id}:started:{attempt}"
+
+
+def call_terminal_id(session_id: str, call_id: str) -> str:
+    """Every terminal event of a call (`call.succeeded`, `call.failed`), whoever writes
+    it: an executor, the session actor for a denied call, the janitor, or the kernel for
+    a call that made an actor fail. So a call ends once."""
+    return f"{session_id}:{call_id}:terminal"
+
+
+def request_rejected_id(request_seq: int) -> str:
+    """A rejection of the request at this sequence of the requests stream."""
+    return f"req:{request_seq}:rejected"
+
+
+def message_rejected_id(actor: str, stream_seq: int) -> str:
+    """A rejection, by the kernel, of the event at this sequence that `actor` could not
+    handle."""
+    return f"{actor}:{stream_seq}:rejected"
+
+
+def client_request_id(session_id: str, request_id: str) -> str:
+    """The message id a client publishes a request with: a resent request is stored once."""
+    return f"{session_id}:{request_id}"
+
+
 def catalog_key(tool_name: str) -> str:
     """KV keys cannot hold ':'; `ns:tool` is stored as `ns.tool`."""
     ns, tool = split_tool_name(tool_name)

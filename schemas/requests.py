@@ -22,11 +22,12 @@ from typing import Any, Final
 
 import msgspec
 
+from schemas.defaults import MAX_CALLS_PER_REQUEST, MAX_JSON_DEPTH, MAX_REQUEST_BYTES
 from schemas.errors import InvalidRequestError
 from schemas.ids import AUTO_REQUEST_PREFIX, is_token
 
-DEFAULT_MAX_REQUEST_BYTES: Final = 256 * 1024
-DEFAULT_MAX_CALLS: Final = 64
+DEFAULT_MAX_REQUEST_BYTES: Final = MAX_REQUEST_BYTES
+DEFAULT_MAX_CALLS: Final = MAX_CALLS_PER_REQUEST
 
 
 class CallInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,12 +64,7 @@ def parse_request(
             f"request is {len(data)} bytes; the limit is {max_bytes} bytes. "
             "Send large inputs by reference (a path or URL) instead of inline",
         )
-    try:
-        body = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequestError(
-            "malformed_json", f"request body is not valid JSON: {exc}"
-        ) from exc
+    body = decode_json(data, what="request body")
     if not isinstance(body, dict):
         raise InvalidRequestError(
             "invalid_request", f"request must be a JSON object, got {_json_type(body)}"
@@ -120,6 +116,40 @@ def parse_request(
             )
         parsed.append(_parse_call(call, where))
     return Request(request_id=request_id, calls=parsed, agent=agent)
+
+
+def decode_json(data: bytes, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Decode untrusted JSON within the decoder's limits, or raise `InvalidRequestError`.
+
+    Every way bytes can be unusable maps to one reason: not JSON or not UTF-8
+    (`malformed_json`), nested deeper than `max_depth` (`nested_too_deep`)."""
+    try:
+        body = msgspec.json.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError("malformed_json", f"{what} is not valid JSON (UTF-8): {exc}"
+                                  ) from exc
+    except RecursionError as exc:
+        raise InvalidRequestError("nested_too_deep", f"{what} nests deeper than "
+                                  f"{max_depth} levels") from exc
+    if json_depth(body, max_depth) > max_depth:
+        raise InvalidRequestError("nested_too_deep", f"{what} nests deeper than "
+                                  f"{max_depth} levels")
+    return body
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of decoded JSON (a scalar is 0, `[]` is 1), counted level by
+    level without recursion, and only up to `limit + 1`."""
+    depth = 0
+    level = [value] if isinstance(value, dict | list) else []
+    while level and depth <= limit:
+        depth += 1
+        nxt: list[Any] = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            nxt.extend(v for v in items if isinstance(v, dict | list))
+        level = nxt
+    return depth
 
 
 def _parse_call(call: dict[str, Any], where: str) -> CallInput:

@@ -29,6 +29,7 @@ from schemas.events import (
     ErrorInfo,
     Event,
     RequestRejected,
+    ResultRef,
     TurnCompleted,
     TurnFailed,
     TurnRequested,
@@ -60,12 +61,16 @@ class CallState(msgspec.Struct, kw_only=True):
     route: str | None = None
     timeout_ms: int | None = None
     approval_reason: str | None = None
+    approval_requested_at: float | None = None
     approval_expires_at: float | None = None
-    decided_by: str | None = None
+    decided_by: str | None = None  # set by a human decision (or its timeout) only
     decision_note: str | None = None
+    human_decision: Literal["approved", "denied"] | None = None
     attempts: int = 0
     executor: str | None = None
     result: Any = None
+    result_ref: ResultRef | None = None
+    result_seq: int | None = None  # the stream sequence of the terminal event
     error: ErrorInfo | None = None
     requested_at: float = 0.0
     finished_at: float | None = None
@@ -86,8 +91,9 @@ class CallState(msgspec.Struct, kw_only=True):
             call_id=self.call_id,
             tool=self.tool,
             status=status,
-            result=self.result if status == "succeeded" else None,
             error=self.error,
+            result_seq=self.result_seq,
+            result_ref=self.result_ref,
         )
 
 
@@ -99,6 +105,7 @@ class TurnState(msgspec.Struct, kw_only=True):
     status: TurnStatus = "running"
     requested_at: float = 0.0
     finished_at: float | None = None
+    ended_seq: int | None = None  # the stream sequence of turn.completed / turn.failed
 
 
 class SessionState(msgspec.Struct, kw_only=True):
@@ -111,6 +118,11 @@ class SessionState(msgspec.Struct, kw_only=True):
     rejected_requests: int = 0
     # The session's state object: results of calls made with `_outputPath` land here.
     data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# Bumped whenever the shape of `SessionState` changes, so that older snapshots are
+# ignored (and the session folded from the log) instead of misread.
+STATE_VERSION = 2
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -153,6 +165,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
                 call.status = "rejected"
+                call.result_seq = seq
                 call.rule = event.rule
                 call.error = ErrorInfo(error_type=event.reason, message=event.message)
                 call.finished_at = event.at
@@ -169,11 +182,15 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 call.timeout_ms = event.timeout_ms
                 if isinstance(event, ApprovalRequested):
                     call.approval_reason = event.reason
+                    call.approval_requested_at = event.at
                     call.approval_expires_at = event.expires_at
         case ApprovalGranted() | ApprovalDenied():
             call = calls.get(event.call_id)
             if call is not None and call.status == "awaiting_approval":
-                call.status = "approved" if isinstance(event, ApprovalGranted) else "denied"
+                decided: Literal["approved", "denied"] = (
+                    "approved" if isinstance(event, ApprovalGranted) else "denied")
+                call.status = decided
+                call.human_decision = decided
                 call.decided_by = event.by
                 call.decision_note = event.note if isinstance(event, ApprovalGranted) else \
                     event.reason
@@ -192,14 +209,18 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
             if call is not None and not call.terminal:
                 call.status = "succeeded"
                 call.result = event.result
+                call.result_ref = event.result_ref
+                call.result_seq = seq
                 call.executor = event.executor
                 call.finished_at = event.at
                 if call.output_path:
-                    set_path(state.data, call.output_path, event.result)
+                    set_path(state.data, call.output_path, event.result
+                             if event.result_ref is None else {"$ref": event.result_ref.key})
         case CallFailed():
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
                 call.status = "failed"
+                call.result_seq = seq
                 call.error = ErrorInfo(
                     error_type=event.error_type, message=event.message, retryable=event.retryable
                 )
@@ -211,6 +232,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
             if turn is not None and turn.status == "running":
                 turn.status = "completed" if isinstance(event, TurnCompleted) else "failed"
                 turn.finished_at = event.at
+                turn.ended_seq = seq
                 if event.turn_id in state.open_turns:
                     state.open_turns.remove(event.turn_id)
         case RequestRejected():
@@ -231,10 +253,15 @@ def set_path(data: dict[str, Any], path: str, value: Any) -> None:
     node[leaf] = value
 
 
-def fold(session_id: str, events: Iterable[tuple[int, Event]]) -> SessionState:
+def fold(session_id: str, events: Iterable[tuple[int, Event | None]]) -> SessionState:
+    """Fold stored events in order. An event this version cannot read (None) changes
+    nothing but the position, exactly as the actors fold it live."""
     state = SessionState(session_id=session_id)
     for seq, event in events:
-        evolve(state, event, seq)
+        if event is not None:
+            evolve(state, event, seq)
+        elif seq > state.last_seq:
+            state.last_seq = seq
     return state
 
 

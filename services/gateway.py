@@ -32,6 +32,10 @@ from schemas.state import encode_state
 MAX_BODY = 256 * 1024
 
 
+_STATUS_OF_CODE = {"invalid": 400, "not_found": 404, "conflict": 409, "too_large": 413,
+                   "internal": 500}
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"ok": False, "error": message}, status_code=status)
 
@@ -96,9 +100,7 @@ def build_app(bus: Bus) -> Starlette:
         answer: dict[str, Any] = msgspec.json.decode(reply)
         if answer.get("ok"):
             return JSONResponse(answer)
-        error = str(answer.get("error", ""))
-        status = 409 if error.startswith("already decided") else \
-            404 if "not waiting for approval" in error else 400
+        status = _STATUS_OF_CODE.get(str(answer.get("code")), 500)
         return JSONResponse(answer, status_code=status)
 
     async def health(request: Request) -> Response:

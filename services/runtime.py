@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from actors.approval import ApprovalActor
 from actors.executor import Executor
+from actors.janitor import Janitor
 from actors.mcp_connector import McpConnector
 from actors.session import SessionActor
 from actors.tools import LocalTool, load_tools
@@ -119,7 +120,9 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         await catalog.start()
         approval = ApprovalActor(bus, catalog, policy=policy)
         await approval.start()
-        started.append(_WithCatalog(approval, catalog))
+        janitor = Janitor(bus, catalog)
+        await janitor.start()
+        started.append(_WithCatalog(approval, catalog, janitor))
     if "session" in kinds:
         # With the approval actor in this process, the session actor asks it inline and
         # saves a bus hop per call; the events are the same.
@@ -137,14 +140,19 @@ def manifest_policy(settings: ActorSettings) -> tuple[Policy, int]:
 
 
 class _WithCatalog:
-    def __init__(self, actor: ApprovalActor, catalog: Catalog) -> None:
+    """The approval actor and the janitor, which share the catalog."""
+
+    def __init__(self, actor: ApprovalActor, catalog: Catalog, janitor: Janitor) -> None:
         self.actor = actor
         self.catalog = catalog
+        self.janitor = janitor
 
     async def start(self) -> None:
         await self.actor.start()
+        await self.janitor.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        await self.janitor.stop(grace)
         await self.actor.stop(grace)
         await self.catalog.stop()
 

@@ -19,6 +19,7 @@ import pytest
 
 from actors.approval import ApprovalActor
 from actors.executor import Executor
+from actors.janitor import Janitor
 from actors.session import SessionActor
 from actors.tools import load_tools
 from actors.tools.builtins import BUILTINS
@@ -78,13 +79,15 @@ async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
     await executor.start()
     catalog = Catalog(bus)
     await catalog.start()
-    approval = ApprovalActor(bus, catalog, policy=TEST_POLICY, sweep_interval_s=0.1,
-                             instance_sweep_s=0.5)
+    approval = ApprovalActor(bus, catalog, policy=TEST_POLICY, sweep_interval_s=0.1)
     await approval.start()
+    janitor = Janitor(bus, catalog, interval_s=0.5)
+    await janitor.start()
     session = SessionActor(bus)
     await session.start()
     yield {"executor": executor, "session": session, "catalog": catalog, "approval": approval}
     await session.stop()
+    await janitor.stop()
     await approval.stop()
     await catalog.stop()
     await executor.stop()

@@ -136,13 +136,14 @@ async def test_a_raw_nats_approval_lets_the_call_run_and_repeats_are_refused(
     assert end.outcomes[0].result == {"wrote": "hello"}
     again = json.loads(await bus.request(
         subject, b'{"decision": "deny", "by": "bob", "reason": "no"}', timeout=5))
-    assert again == {"ok": False, "decision": "approved",
+    assert again == {"ok": False, "decision": "approved", "code": "conflict",
                      "error": "already decided: approved by ada"}
     bad = json.loads(await bus.request(subject, b'{"decision": "maybe"}', timeout=5))
-    assert bad["ok"] is False and "bad decision" in bad["error"]
+    assert bad["ok"] is False and "bad decision" in bad["error"] and bad["code"] == "invalid"
     nothing = json.loads(await bus.request(approval_subject(sid, "nope-0"),
                                            b'{"decision": "approve"}', timeout=5))
     assert "is not waiting for approval" in nothing["error"]
+    assert nothing["code"] == "not_found"
     replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats",
                                      bus.url)  # who approved what, when and why
     assert "approved by ada: fine" in replay.stdout

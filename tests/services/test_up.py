@@ -65,7 +65,10 @@ async def test_toolbus_up_serves_cli_and_raw_clients_and_survives_a_server_kill(
                                            "call.started", "call.succeeded",
                                            "turn.completed"]
         assert raw[2]["rule"] == "auto:read_only"
-        assert raw[-1]["outcomes"][0]["result"] == {"from": "raw"}
+        # The result is in call.succeeded; the turn's end references it, never copies it.
+        assert raw[5]["result"] == {"from": "raw"}
+        assert raw[-1]["outcomes"][0]["status"] == "succeeded"
+        assert raw[-1]["outcomes"][0]["result_seq"] is not None
 
         bad = run_toolbus("call", "nowhere:tool", "{}", "--session", "demo", "--nats", url)
         assert bad.returncode == 1 and "no tool named 'nowhere:tool'" in bad.stderr

@@ -1,0 +1,385 @@
+"""The actor kernel: the one runtime under every actor.
+
+An actor module is a pure `decide` plus the effects only it has (running a tool, talking
+MCP). The kernel does everything else, the same way for all of them:
+
+- **Pull.** Each inbox is a durable pull consumer (`bus.consumer.PullLoop`): batches of
+  pull requests stay outstanding, one session's messages are handled in stream order
+  while different sessions run concurrently, and the work in flight is bounded.
+- **State.** `SessionStates` keeps each session's state folded in memory (LRU). A cold
+  session is loaded from its snapshot in `toolbus_snapshots` plus the log after it, never
+  the whole history per message; every read of session history goes through the reducer.
+- **Decide and append.** `SessionStates.write` appends a decision's events under the
+  session's concurrency check, pipelined in one round trip, and folds them at once when
+  the stream proves nothing came between; a stale writer re-reads and re-decides.
+- **Ack** only after what a message caused is stored.
+- **Poison.** A message that cannot be decoded, fails validation or makes `decide` raise
+  becomes a stored rejection naming the error at its first delivery (`request.rejected`,
+  or `call.failed` with `internal` for a call), and is terminated. A message that fails
+  for a passing reason (the bus timed out) is retried with backoff and rejected the same
+  way after `max_deliveries`. So no consumer's ack window fills up with poison, one
+  session never waits for another, and a restart comes back clean.
+- **Traces.** Each message is handled in a span that continues the `traceparent` it
+  carries; events appended inside it carry the span's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from bus import trace
+from bus.connection import Bus
+from bus.consumer import Delivery, PullLoop
+from bus.eventlog import Append, AppendResult, EventLog
+from bus.snapshots import SnapshotStore
+from bus.streams import ConsumerSpec
+from bus.subjects import session_of
+from schemas.defaults import (
+    MAX_DELIVERIES,
+    SESSION_CACHE_SIZE,
+)
+from schemas.errors import (
+    AppendError,
+    BusError,
+    ConcurrencyError,
+    EventTooLargeError,
+    ToolbusError,
+)
+from schemas.events import Event, RequestRejected
+from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
+from schemas.state import SessionState, decode_state, encode_state, evolve
+
+log = logging.getLogger("toolbus.kernel")
+
+
+class PoisonError(ToolbusError):
+    """A message that can never be handled, however often it is delivered: it cannot be
+    decoded, or it is not what this consumer takes. Rejected at its first delivery."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{reason}: {message}")
+
+
+Reject = Callable[[Delivery, str, str], Sequence[Append]]
+"""`(delivery, reason, message)` -> the events that record the rejection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Inbox:
+    """One durable consumer of an actor and what to do with its messages."""
+
+    consumer: ConsumerSpec
+    handle: Callable[[Delivery], Awaitable[None]]
+    reject: Reject
+    ordered: bool = True  # one session's messages in stream order
+    max_in_flight: int = 256
+
+
+def _is_passing(exc: BaseException) -> bool:
+    """Worth another delivery: the bus, not the message, was the problem."""
+    if isinstance(exc, EventTooLargeError):
+        return False
+    return isinstance(exc, BusError | TimeoutError | ConnectionError)
+
+
+def _backoff_s(delivered: int) -> float:
+    return float(min(0.25 * 2 ** max(delivered - 1, 0), 10.0))
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def excerpt(data: bytes, limit: int = 200) -> str:
+    text = data[:limit].decode("utf-8", errors="replace")
+    return text + ("…" if len(data) > limit else "")
+
+
+class Kernel:
+    """Runs the inboxes of one actor; see the module docstring."""
+
+    def __init__(self, bus: Bus, actor: str, *, max_deliveries: int = MAX_DELIVERIES,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.bus = bus
+        self.actor = actor
+        self.log = EventLog(bus)
+        self.clock = clock
+        self._max_deliveries = max_deliveries
+        self._loops: list[PullLoop] = []
+        self.rejected = 0  # messages turned into stored rejections (stats and tests)
+
+    def add(self, inbox: Inbox) -> None:
+        async def deliver(delivery: Delivery) -> None:
+            await self._deliver(inbox, delivery)
+
+        self._loops.append(PullLoop(self.bus, inbox.consumer, deliver,
+                                    max_in_flight=inbox.max_in_flight,
+                                    key=session_of if inbox.ordered else None))
+
+    async def start(self) -> None:
+        for loop in self._loops:
+            await loop.start()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
+
+    async def _deliver(self, inbox: Inbox, delivery: Delivery) -> None:
+        try:
+            with trace.span(f"{self.actor} {inbox.consumer.durable}", kind="consumer",
+                            parent=delivery.headers,
+                            attributes={"messaging.destination.name": delivery.subject}):
+                await inbox.handle(delivery)
+            return
+        except asyncio.CancelledError:
+            raise
+        except PoisonError as exc:
+            reason, message = exc.reason, exc.message
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if _is_passing(exc) and delivery.num_delivered < self._max_deliveries:
+                log.warning("%s: %s (delivery %d of %s); retrying", self.actor, detail,
+                            delivery.num_delivered, delivery.subject)
+                with contextlib.suppress(Exception):
+                    await delivery.nak(delay=_backoff_s(delivery.num_delivered))
+                return
+            if not _is_passing(exc):
+                log.exception("%s failed on %s (seq %d)", self.actor, delivery.subject,
+                              delivery.stream_seq)
+            reason = "internal"
+            message = _clip(f"the {self.actor} actor failed on this message after "
+                            f"{delivery.num_delivered} deliveries: {detail}")
+        await self._reject(inbox, delivery, reason, message)
+
+    async def _reject(self, inbox: Inbox, delivery: Delivery, reason: str,
+                      message: str) -> None:
+        try:
+            items = inbox.reject(delivery, reason, message)
+        except Exception:  # the rejection builder itself choked on this message
+            log.exception("%s: building the rejection of seq %d failed", self.actor,
+                          delivery.stream_seq)
+            items = [self.generic_rejection(delivery, reason, message)]
+        try:
+            for item in items:
+                await self.log.append(item)
+        except AppendError as exc:
+            # The rejection could not be stored (the bus is down): the message stays,
+            # and comes back after the backoff. Nothing is lost.
+            log.warning("%s: could not store the rejection of seq %d: %s", self.actor,
+                        delivery.stream_seq, exc)
+            with contextlib.suppress(Exception):
+                await delivery.nak(delay=_backoff_s(delivery.num_delivered))
+            return
+        self.rejected += 1
+        log.info("%s: rejected %s (seq %d): %s", self.actor, delivery.subject,
+                 delivery.stream_seq, message)
+        with contextlib.suppress(Exception):
+            await delivery.term()
+
+    def generic_rejection(self, delivery: Delivery, reason: str, message: str) -> Append:
+        """A `request.rejected` in the message's session (or the system session when the
+        subject names none) for a message nothing more specific can be said of."""
+        sid = session_of(delivery.subject)
+        event = RequestRejected(session_id=sid if is_token(sid) else SYSTEM_SESSION,
+                                at=self.clock(), actor=self.actor, reason=reason,
+                                message=message, subject=delivery.subject[:300],
+                                excerpt=excerpt(delivery.data))
+        return Append(event, message_rejected_id(self.actor, delivery.stream_seq))
+
+
+# --- session states ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Entry:
+    """One session's folded state, and what its writer is waiting for."""
+
+    state: SessionState
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Highest sequence this process wrote without folding it yet; a consumer-fed entry
+    # takes no decision until the state has caught up to it.
+    written_upto: int = 0
+    caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    folded_since_snapshot: int = 0
+
+    @property
+    def is_caught_up(self) -> bool:
+        return self.state.last_seq >= self.written_upto
+
+
+class SessionStates:
+    """Session states folded in memory: an LRU of `Entry`, cold-loaded from a snapshot
+    plus the log tail.
+
+    An actor that consumes every event of its sessions (the session actor) feeds them
+    with `fold`; an actor that does not (approval, executor, janitor) asks `current`,
+    which folds whatever was stored since it last looked: one direct-get round trip."""
+
+    def __init__(self, bus: Bus, log: EventLog, *, size: int = SESSION_CACHE_SIZE,
+                 snapshot_every: int | None = None) -> None:
+        self._log = log
+        self._snapshots = SnapshotStore(bus)
+        self._cache: OrderedDict[str, Entry] = OrderedDict()
+        self._size = size
+        self._loading: dict[str, asyncio.Future[Entry]] = {}
+        self._snapshot_every = snapshot_every
+        self._saving: set[asyncio.Task[None]] = set()
+
+    async def entry(self, sid: str) -> Entry:
+        entry = self._cache.get(sid)
+        if entry is not None:
+            self._cache.move_to_end(sid)
+            return entry
+        loading = self._loading.get(sid)
+        if loading is not None:
+            return await asyncio.shield(loading)
+        fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
+        self._loading[sid] = fut
+        try:
+            state = await self._snapshots.load(sid) or SessionState(session_id=sid)
+            entry = Entry(state)
+            for stored in await self._log.read_session(sid, after=state.last_seq):
+                self._fold(entry, stored.seq, stored.event)
+            entry.caught_up.set()
+            self._cache[sid] = entry
+            self._evict()
+            fut.set_result(entry)
+            return entry
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: waiters re-raise it themselves
+            raise
+        finally:
+            del self._loading[sid]
+
+    def peek(self, sid: str) -> Entry | None:
+        """The cached entry, if the session is in memory."""
+        return self._cache.get(sid)
+
+    async def current(self, sid: str) -> Entry:
+        """The entry with everything stored so far folded in."""
+        entry = await self.entry(sid)
+        async with entry.lock:
+            await self.reread(entry)
+        return entry
+
+    def _evict(self) -> None:
+        while len(self._cache) > self._size:
+            sid, entry = next(iter(self._cache.items()))
+            if entry.lock.locked():
+                self._cache.move_to_end(sid)
+                return
+            del self._cache[sid]
+
+    def fold(self, entry: Entry, seq: int, event: Event | None) -> None:
+        self._fold(entry, seq, event)
+        if entry.is_caught_up:
+            entry.caught_up.set()
+
+    def _fold(self, entry: Entry, seq: int, event: Event | None) -> None:
+        state = entry.state
+        if seq <= state.last_seq:
+            return
+        if event is not None:
+            evolve(state, event, seq)
+        else:
+            state.last_seq = seq  # an unreadable event: skipped, but the position moves
+        entry.folded_since_snapshot += 1
+        every = self._snapshot_every
+        if every is not None and entry.folded_since_snapshot >= every:
+            entry.folded_since_snapshot = 0
+            self._save_snapshot(state)
+
+    def _save_snapshot(self, state: SessionState) -> None:
+        # A copy, taken now: the live state keeps changing while the put is on the wire.
+        copy = decode_state(encode_state(state))
+
+        async def save() -> None:
+            try:
+                await self._snapshots.save(copy)
+            except Exception as exc:  # an optimisation only: the log is the truth
+                log.debug("snapshot of %s not saved: %s", copy.session_id, exc)
+
+        if len(self._saving) < 64:
+            task = asyncio.get_running_loop().create_task(save())
+            self._saving.add(task)
+            task.add_done_callback(self._saving.discard)
+
+    async def reread(self, entry: Entry) -> None:
+        """Fold what was stored after the entry's last sequence (call with its lock)."""
+        for stored in await self._log.read_session(entry.state.session_id,
+                                                   after=entry.state.last_seq):
+            self._fold(entry, stored.seq, stored.event)
+        entry.written_upto = min(entry.written_upto, entry.state.last_seq)
+        entry.caught_up.set()
+
+    async def catch_up(self, entry: Entry, timeout: float = 2.0) -> None:
+        """Wait (lock not held) until this process's own writes have come back through
+        the consumer; after `timeout`, read them instead."""
+        if entry.is_caught_up:
+            return
+        entry.caught_up.clear()
+        try:
+            async with asyncio.timeout(timeout):
+                while not entry.is_caught_up:
+                    await entry.caught_up.wait()
+                    entry.caught_up.clear()
+        except TimeoutError:
+            async with entry.lock:
+                await self.reread(entry)
+
+    async def write(self, entry: Entry, items: Sequence[Append]) -> list[AppendResult]:
+        """Append a decision under the session's concurrency check (call with the lock).
+
+        Raises `ConcurrencyError` when another writer stored something first: re-read
+        (`reread`) and decide again. When the stored sequences are contiguous right after
+        the state's last one, nothing else was stored in between, so the decision is
+        folded now; otherwise the entry waits for it to come back (`written_upto`)."""
+        headers = trace.headers_for_child(None)
+        results = await self._log.append_decision(items, expect_last=entry.state.last_seq,
+                                                  headers=headers)
+        seqs = [r.seq for r in results]
+        if not any(r.duplicate for r in results) and seqs == list(
+                range(seqs[0], seqs[0] + len(seqs))):
+            for r, item in zip(results, items, strict=True):
+                self._fold(entry, r.seq, item.event)
+        else:
+            entry.written_upto = max(entry.written_upto, *seqs)
+            if not entry.is_caught_up:
+                entry.caught_up.clear()
+        return results
+
+    async def decide_and_write(self, entry: Entry,
+                               decide: Callable[[SessionState], Sequence[Append]], *,
+                               attempts: int) -> bool:
+        """Decide from the state and write, re-reading and re-deciding on every conflict,
+        up to `attempts` times (call with the lock). True when the state is settled:
+        nothing left to do, or waiting for its own writes to come back."""
+        for _ in range(attempts):
+            if not entry.is_caught_up:
+                return True  # the writes coming back will trigger the next decision
+            items = decide(entry.state)
+            if not items:
+                return True
+            try:
+                await self.write(entry, items)
+            except ConcurrencyError:
+                await self.reread(entry)
+        return False
+
+
+__all__ = [
+    "Entry",
+    "Inbox",
+    "Kernel",
+    "PoisonError",
+    "SessionStates",
+    "excerpt",
+]

@@ -1,0 +1,71 @@
+"""Session snapshots in the `toolbus_snapshots` KV bucket: `<sid>` -> `{version, state}`.
+
+An optimisation only: a missing, stale, unreadable or old-version snapshot means the
+session is folded from the log instead, so nothing here can change what a state is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from bus.connection import Bus
+from bus.subjects import SNAPSHOTS_BUCKET
+from schemas.state import STATE_VERSION, SessionState
+
+log = logging.getLogger("toolbus.bus")
+
+# Larger states are not snapshotted: a KV value must fit the server's max payload, and
+# folding the tail of such a session is cheap next to moving megabytes.
+MAX_SNAPSHOT_BYTES = 1024 * 1024
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    version: int
+    state: SessionState
+
+
+_encoder = msgspec.json.Encoder(order="deterministic")
+_decoder = msgspec.json.Decoder(Snapshot)
+
+
+class SnapshotStore:
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self._kv: KeyValue | None = None
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await self._bus.js.key_value(SNAPSHOTS_BUCKET)
+        return self._kv
+
+    async def load(self, session_id: str) -> SessionState | None:
+        try:
+            entry = await (await self._bucket()).get(session_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.BucketNotFoundError):
+            return None
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.debug("snapshot of %s not read: %s", session_id, exc)
+            return None
+        if not entry.value:
+            return None
+        try:
+            snap = _decoder.decode(entry.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("snapshot of %s is unreadable (%s); folding the log", session_id, exc)
+            return None
+        if snap.version != STATE_VERSION or snap.state.session_id != session_id:
+            return None
+        return snap.state
+
+    async def save(self, state: SessionState) -> bool:
+        """Store a snapshot; False (and nothing stored) when it is too large."""
+        data = _encoder.encode(Snapshot(version=STATE_VERSION, state=state))
+        if len(data) > MAX_SNAPSHOT_BYTES:
+            return False
+        await (await self._bucket()).put(state.session_id, data)
+        return True

@@ -1,0 +1,46 @@
+"""Every default limit and timing of toolbus, in one place.
+
+Settings read by `services/` start from these; library code takes them as keyword
+arguments. Sizes are bytes of encoded JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# -- the bus
+# The embedded server's max payload. Larger than any event so that an oversized request
+# still reaches the session actor and gets a stored `payload_too_large` rejection,
+# instead of being refused at the socket with nothing recorded.
+SERVER_MAX_PAYLOAD: Final = 8 * 1024 * 1024
+# No stored event is larger than this; results above the result limit go to the object
+# store and the event carries a reference.
+MAX_EVENT_BYTES: Final = 256 * 1024
+# A result is stored inline up to this size; the headroom is for the event's own fields.
+MAX_INLINE_RESULT_BYTES: Final = MAX_EVENT_BYTES - 16 * 1024
+# Characters of a large result kept in its reference, for people and logs.
+RESULT_PREVIEW_CHARS: Final = 1024
+DUPLICATE_WINDOW_S: Final = 600.0
+
+# -- requests (the decoder's limits; see README "Limits")
+MAX_REQUEST_BYTES: Final = 128 * 1024  # under MAX_EVENT_BYTES: arguments land in events
+MAX_JSON_DEPTH: Final = 64
+MAX_CALLS_PER_REQUEST: Final = 64
+
+# -- the kernel
+# Deliveries of one message that fail for a passing reason (the bus timed out) before
+# it is rejected for good; a message that cannot be decoded, or makes `decide` raise, is
+# rejected at its first delivery.
+MAX_DELIVERIES: Final = 5
+# A consumer redelivers an unacknowledged message after this long; running tools send
+# in-progress acks at a third of it, so a dead executor is noticed within it.
+ACK_WAIT_S: Final = 3.0
+EXECUTOR_ACK_WAIT_S: Final = 3.0
+# Events folded per session between two snapshots in `toolbus_snapshots`.
+SNAPSHOT_EVERY: Final = 500
+SESSION_CACHE_SIZE: Final = 10_000
+DECIDE_ATTEMPTS: Final = 8
+
+# -- executors
+EXECUTORS_TTL_S: Final = 15.0
+MAX_IN_FLIGHT: Final = 64
