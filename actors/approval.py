@@ -27,8 +27,7 @@ from typing import Any
 
 import msgspec
 
-from actors.kernel import Inbox, Kernel, PoisonError, SessionStates
-from bus import trace
+from actors.kernel import Inbox, Kernel, PoisonError, SessionStates, outgoing_headers
 from bus.approvals import ApprovalStore
 from bus.catalog import Catalog
 from bus.connection import Bus
@@ -263,7 +262,7 @@ class ApprovalActor:
                               instances=self._catalog.instance_tools)
             await self._log.append(Append(decision, policy_decision_id(call.session_id,
                                                                        call.call_id)),
-                                   headers=trace.headers_for_child(None))
+                                   headers=outgoing_headers())
             if isinstance(decision, ApprovalRequested):
                 pending = PendingApproval(
                     session_id=call.session_id, call_id=call.call_id, turn_id=call.turn_id,
@@ -295,7 +294,7 @@ class ApprovalActor:
             await self._log.append(
                 Append(event, human_decision_id(sid, call_id), call_id), expect_last=0,
                 expect_subject=approval_decision_filter(sid, call_id),
-                headers=trace.headers_for_child(None))
+                headers=outgoing_headers())
         await self._store.delete(sid, call_id)
         call = (await self._states.current(sid)).state.calls.get(call_id)
         assert call is not None  # it was waiting for this decision

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from actors.kernel import Inbox, Kernel, PoisonError, SessionStates
+from actors.kernel import Inbox, Kernel, PoisonError, SessionStates, outgoing_headers
 from actors.tools import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
 from bus import trace
 from bus.artifacts import ArtifactStore
@@ -189,7 +189,7 @@ class Executor:
 
     async def _append(self, event: Event, msg_id: str) -> None:
         await self._kernel.log.append(Append(event, msg_id),
-                                      headers=trace.headers_for_child(None))
+                                      headers=outgoing_headers())
 
     def _failed(self, d: CallDispatched, error_type: str, message: str, *,
                 retryable: bool = False, duration_ms: float = 0.0) -> CallFailed:

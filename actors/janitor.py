@@ -18,8 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from actors.kernel import SessionStates
-from bus import trace
+from actors.kernel import SessionStates, outgoing_headers
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.eventlog import Append, EventLog
@@ -97,6 +96,6 @@ class Janitor:
                     continue
                 await self._log.append(Append(failed, call_terminal_id(d.session_id,
                                                                        d.call_id)),
-                                       headers=trace.headers_for_child(None))
+                                       headers=outgoing_headers())
                 log.warning("call %s of session %s: %s", d.call_id, d.session_id,
                             failed.error_type)

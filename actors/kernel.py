@@ -30,7 +30,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from bus import trace
@@ -56,6 +57,15 @@ from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
 from schemas.state import SessionState, decode_state, encode_state, evolve
 
 log = logging.getLogger("toolbus.kernel")
+
+# The trace headers of the message being handled, per task (each delivery has its own):
+# what the events it causes carry on, also when this process exports no spans.
+_parent: ContextVar[Mapping[str, str] | None] = ContextVar("toolbus_parent", default=None)
+
+
+def outgoing_headers() -> dict[str, str]:
+    """Trace headers for an event appended now, on behalf of the message being handled."""
+    return trace.headers_for_child(_parent.get())
 
 
 class PoisonError(ToolbusError):
@@ -132,6 +142,7 @@ class Kernel:
         await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
 
     async def _deliver(self, inbox: Inbox, delivery: Delivery) -> None:
+        _parent.set(delivery.headers)
         try:
             with trace.span(f"{self.actor} {inbox.consumer.durable}", kind="consumer",
                             parent=delivery.headers,
@@ -342,9 +353,9 @@ class SessionStates:
         (`reread`) and decide again. When the stored sequences are contiguous right after
         the state's last one, nothing else was stored in between, so the decision is
         folded now; otherwise the entry waits for it to come back (`written_upto`)."""
-        headers = trace.headers_for_child(None)
-        results = await self._log.append_decision(items, expect_last=entry.state.last_seq,
-                                                  headers=headers)
+        with trace.span("append", attributes={"toolbus.events": len(items)}):
+            results = await self._log.append_decision(
+                items, expect_last=entry.state.last_seq, headers=outgoing_headers())
         seqs = [r.seq for r in results]
         if not any(r.duplicate for r in results) and seqs == list(
                 range(seqs[0], seqs[0] + len(seqs))):
@@ -365,7 +376,8 @@ class SessionStates:
         for _ in range(attempts):
             if not entry.is_caught_up:
                 return True  # the writes coming back will trigger the next decision
-            items = decide(entry.state)
+            with trace.span("decide"):
+                items = decide(entry.state)
             if not items:
                 return True
             try:
@@ -382,4 +394,5 @@ __all__ = [
     "PoisonError",
     "SessionStates",
     "excerpt",
+    "outgoing_headers",
 ]

@@ -26,10 +26,13 @@ from the state alone, so a crash between two appends is healed by the next deliv
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
+
+import msgspec
 
 from actors.kernel import Entry, Inbox, Kernel, PoisonError, SessionStates, excerpt
 from bus.connection import Bus
@@ -407,9 +410,15 @@ class SessionActor:
         await self._states.catch_up(entry)
         async with entry.lock:
             encoded = encode_state(entry.state)
-            if len(encoded) > MAX_STATE_REPLY_BYTES:
+            if data == b"digest":
+                # A state too large for one reply can still be compared with a replay.
+                return msgspec.json.encode({"sha256": hashlib.sha256(encoded).hexdigest(),
+                                            "last_seq": entry.state.last_seq,
+                                            "size": len(encoded)})
+            limit = min(MAX_STATE_REPLY_BYTES, self._kernel.bus.nc.max_payload - 4096)
+            if len(encoded) > limit:
                 raise RpcError("too_large", f"the state of {sid} is {len(encoded)} bytes, "
-                               f"over the {MAX_STATE_REPLY_BYTES}-byte reply limit; fold "
+                               f"over the {limit}-byte reply limit; fold "
                                f"it from the log (`toolbus state` does) up to sequence "
                                f"{entry.state.last_seq}")
             return encoded

@@ -206,6 +206,16 @@ class ToolbusClient:
         stored = await self.log.read_session(session_id, until=until)
         return fold(session_id, ((s.seq, s.event) for s in stored))
 
+    async def resolve_references(self, state: SessionState) -> int:
+        """Put each result stored as a reference into `state` (read from the object
+        store); returns how many there were."""
+        store = ArtifactStore(self.bus)
+        refs = [c for c in state.calls.values() if c.result_ref is not None]
+        for call in refs:
+            assert call.result_ref is not None
+            call.result = msgspec.json.decode(await store.read(call.result_ref))
+        return len(refs)
+
     async def find_end(self, session_id: str, turn_id: str, *,
                        full: bool = False) -> TurnEnd | None:
         """How a turn ended, if it did: located through the session's folded state."""
@@ -217,6 +227,16 @@ class ToolbusClient:
         if not isinstance(ev, TurnCompleted | TurnFailed):
             return None
         return await self._with_results(ev, {}, full=full)
+
+    async def live_state_digest(self, session_id: str, timeout: float = 5.0
+                                ) -> tuple[str, int]:
+        """(sha256 of the encoded live state, its last sequence): to compare a state too
+        large for one reply with a replay."""
+        check_session_id(session_id)
+        data = await self.bus.request(state_subject(session_id), b"digest", timeout=timeout,
+                                      who="a session actor (`toolbus up`)")
+        answer = msgspec.json.decode(check_reply(data))
+        return str(answer["sha256"]), int(answer["last_seq"])
 
     async def live_state(self, session_id: str, timeout: float = 5.0) -> SessionState:
         """The session actor's in-memory state of a session."""

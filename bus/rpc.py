@@ -64,6 +64,9 @@ class Responder:
         except Exception as exc:
             log.exception("request on %s failed", msg.subject)
             reply = _error("internal", f"internal error: {type(exc).__name__}")
+        if len(reply) > self._bus.nc.max_payload - 1024:
+            reply = _error("too_large", f"the answer is {len(reply)} bytes, over the "
+                                        f"server's max payload ({self._bus.nc.max_payload})")
         with contextlib.suppress(Exception):
             await self._bus.nc.publish(msg.reply, reply)
 

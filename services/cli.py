@@ -17,16 +17,18 @@ from typing import Any
 import msgspec
 
 from bus.approvals import ApprovalStore
+from bus.artifacts import ArtifactStore
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
-from bus.connection import connect
+from bus.connection import Bus, connect
 from bus.eventlog import EventLog
 from bus.subjects import approval_subject
-from schemas.errors import ToolbusError
+from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
+from schemas.errors import RpcError, ToolbusError
 from schemas.events import RequestRejected, TurnCompleted, TurnFailed, encode_event, summarize
 from schemas.ids import check_session_id, check_tool_name
 from schemas.providers import compose_schema, export
-from schemas.state import encode_state, fold
+from schemas.state import SessionState, encode_state, fold
 from schemas.tools import ToolSpec, to_tool_schema
 from services.config import ActorSettings, default_data_dir, default_nats_url
 
@@ -46,10 +48,12 @@ def _add_actor_options(p: argparse.ArgumentParser) -> None:
                    help="load tools from a module name or .py file (repeatable)")
     p.add_argument("--pool", default="default", help="executor pool name (default: default)")
     p.add_argument("--instance", default=None, help="executor instance name (default: host-pid)")
-    p.add_argument("--ack-wait", type=float, default=30.0, metavar="SECONDS",
-                   help="seconds before an unacknowledged call is redelivered (default 30)")
-    p.add_argument("--max-in-flight", type=int, default=64,
-                   help="calls one executor process runs at once (default 64)")
+    p.add_argument("--ack-wait", type=float, default=EXECUTOR_ACK_WAIT_S, metavar="SECONDS",
+                   help="seconds without an ack or in-progress beat before a call held by "
+                        "an executor is redelivered: how fast a dead executor is noticed "
+                        f"(default {EXECUTOR_ACK_WAIT_S:g})")
+    p.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
+                   help=f"calls one executor process runs at once (default {MAX_IN_FLIGHT})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="_delegate: run the call in this executor pool")
     p.add_argument("--instance", default=None,
                    help="_instance: run the call on this executor instance")
+    p.add_argument("--full", action="store_true",
+                   help="print a result too large for an event in full (from the object "
+                        "store), not its reference")
     _add_nats(p)
 
     p = sub.add_parser("replay", help="a session's timeline and rebuilt state; runs no tool")
@@ -93,10 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one event per line, then the state")
     p.add_argument("--until", type=int, default=None, metavar="SEQ",
                    help="stop after this stream sequence")
+    p.add_argument("--full", action="store_true",
+                   help="resolve results stored as references (object store) in the state")
     _add_nats(p)
 
     p = sub.add_parser("state", help="the session actor's live state of a session, as JSON")
     p.add_argument("session")
+    p.add_argument("--full", action="store_true",
+                   help="resolve results stored as references (object store)")
     _add_nats(p)
 
     p = sub.add_parser(
@@ -228,12 +239,28 @@ async def _call(url: str, args: argparse.Namespace) -> int:
         end = await ToolbusClient(bus).call(
             session, [call],
             request_id=args.request_id, timeout=args.timeout)
+        outcome = end.outcomes[0] if not isinstance(end, RequestRejected) and end.outcomes \
+            else None
+        ref = outcome.result_ref if outcome is not None else None
+        if isinstance(end, TurnCompleted) and outcome is not None and \
+                outcome.status == "succeeded" and ref is not None:
+            if args.full:
+                sys.stdout.flush()
+                await ArtifactStore(bus).read_into(ref, sys.stdout.buffer)
+                sys.stdout.buffer.write(b"\n")
+                print(f"toolbus: the result ({ref.size} bytes) was read from the object "
+                      f"store ({ref.key})", file=sys.stderr)
+            else:
+                sys.stdout.write(_json.encode({"$ref": ref.key, "size": ref.size,
+                                               "sha256": ref.sha256}).decode() + "\n")
+                print(f"toolbus: the result is {ref.size} bytes, stored as {ref.key} "
+                      "(too large for an event); --full prints it", file=sys.stderr)
+            return EXIT_OK
     finally:
         await bus.close()
     if isinstance(end, RequestRejected):
         print(f"toolbus: request rejected ({end.reason}): {end.message}", file=sys.stderr)
         return EXIT_CALL_FAILED
-    outcome = end.outcomes[0] if end.outcomes else None
     if isinstance(end, TurnCompleted) and outcome is not None and outcome.status == "succeeded":
         sys.stdout.write(_json.encode(outcome.result).decode() + "\n")
         return EXIT_OK
@@ -250,9 +277,10 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
     bus = await connect(url, name="toolbus-replay")
     try:
         stored = await EventLog(bus).read_session(sid, until=args.until)
+        state = fold(sid, ((s.seq, s.event) for s in stored))
+        await _references(bus, state, full=args.full)
     finally:
         await bus.close()
-    state = fold(sid, ((s.seq, s.event) for s in stored if s.event is not None))
     out = sys.stdout
     if args.json:
         for s in stored:
@@ -279,10 +307,34 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _references(bus: Bus, state: SessionState, *, full: bool) -> None:
+    """With `full`, put each result stored as a reference into the state; say either way
+    what was done, on stderr."""
+    refs = sum(1 for c in state.calls.values() if c.result_ref is not None)
+    if not refs:
+        return
+    if not full:
+        print(f"toolbus: {refs} result(s) are stored as references to the object store "
+              "(result_ref); --full resolves them", file=sys.stderr)
+        return
+    await ToolbusClient(bus).resolve_references(state)
+    print(f"toolbus: resolved {refs} result(s) from the object store", file=sys.stderr)
+
+
 async def _state(url: str, args: argparse.Namespace) -> int:
     bus = await connect(url, name="toolbus-state")
     try:
-        state = await ToolbusClient(bus).live_state(args.session)
+        client = ToolbusClient(bus)
+        try:
+            state = await client.live_state(args.session)
+        except RpcError as exc:
+            if exc.code != "too_large":
+                raise
+            # Too large for one reply: the same reducer over the log gives the same state.
+            print(f"toolbus: {exc.message}; folding it here from the log instead",
+                  file=sys.stderr)
+            state = await client.fold_session(args.session)
+        await _references(bus, state, full=args.full)
     finally:
         await bus.close()
     sys.stdout.write(encode_state(state).decode() + "\n")

@@ -9,6 +9,7 @@ from pathlib import Path
 import platformdirs
 
 from bus.connection import DEFAULT_NATS_URL
+from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
 from schemas.errors import ManifestError
 from schemas.manifest import Manifest, parse_manifest, with_base_dir
 
@@ -30,8 +31,8 @@ class ActorSettings:
     http_port: int | None = None  # the HTTP gateway (services/gateway.py), off if None
     pool: str = "default"
     instance: str | None = None
-    ack_wait_s: float = 30.0
-    max_in_flight: int = 64
+    ack_wait_s: float = EXECUTOR_ACK_WAIT_S
+    max_in_flight: int = MAX_IN_FLIGHT
 
 
 def load_manifest(path: Path) -> Manifest:

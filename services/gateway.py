@@ -25,8 +25,9 @@ from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.subjects import approval_subject
-from schemas.errors import InvalidIdError, ToolbusError
+from schemas.errors import InvalidIdError, InvalidRequestError, RpcError, ToolbusError
 from schemas.ids import check_session_id
+from schemas.requests import decode_json
 from schemas.state import encode_state
 
 MAX_BODY = 256 * 1024
@@ -53,9 +54,9 @@ def build_app(bus: Bus) -> Starlette:
         if len(body) > MAX_BODY:
             return _error(413, f"request body over {MAX_BODY} bytes")
         try:
-            parsed = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            return _error(400, f"body is not JSON: {exc}")
+            parsed = decode_json(body, what="body")
+        except InvalidRequestError as exc:
+            return _error(400, exc.message)
         request_id = parsed.get("request_id") if isinstance(parsed, dict) else None
         if not isinstance(request_id, str):
             request_id = uuid.uuid4().hex
@@ -73,14 +74,25 @@ def build_app(bus: Bus) -> Starlette:
                              "duplicate": sub.duplicate}, status_code=202)
 
     async def state(request: Request) -> Response:
+        headers: dict[str, str] = {}
         try:
             sid = check_session_id(request.path_params["sid"])
-            live = await client.live_state(sid)
+            try:
+                live = await client.live_state(sid)
+            except RpcError as exc:
+                if exc.code != "too_large":
+                    raise
+                # Too large for one reply: the same reducer over the log, here.
+                live = await client.fold_session(sid)
+                headers["X-Toolbus-State-Source"] = "log"
+            if request.query_params.get("full") in ("1", "true"):
+                resolved = await client.resolve_references(live)
+                headers["X-Toolbus-Resolved-References"] = str(resolved)
         except InvalidIdError as exc:
             return _error(400, str(exc))
         except ToolbusError as exc:
             return _error(503, str(exc))
-        return Response(encode_state(live), media_type="application/json")
+        return Response(encode_state(live), media_type="application/json", headers=headers)
 
     async def pending(request: Request) -> Response:
         items = await approvals.load()

@@ -31,3 +31,10 @@ async def idempotent_hold(path: str, line: str, hold_s: float = 0.0) -> dict[str
 async def whoami(hold_s: float = 0.0) -> dict[str, int]:
     await asyncio.sleep(hold_s)
     return {"pid": os.getpid()}
+
+
+@tool("proc:blob", read_only=True, timeout_ms=120_000)
+async def blob(size: int) -> str:
+    """A text result of `size` characters, made in an executor process whose memory the
+    test reads."""
+    return "y" * size

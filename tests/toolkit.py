@@ -98,3 +98,9 @@ async def write(text: str) -> dict[str, str]:
 async def write_auto(text: str) -> dict[str, str]:
     """A mutating tool whose own config says auto_approve."""
     return {"wrote": text}
+
+
+@tool("testing:blob", read_only=True, timeout_ms=60_000)
+async def blob(size: int, fill: str = "x") -> str:
+    """A text result of `size` characters: results of any size, for the size limits."""
+    return fill[:1] * size
