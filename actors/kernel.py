@@ -171,6 +171,8 @@ class Kernel:
 
     async def _reject(self, inbox: Inbox, delivery: Delivery, reason: str,
                       message: str) -> None:
+        # Clipped: a rejection quotes what was wrong, and the wrong thing can be large.
+        message = _clip(message)
         try:
             items = inbox.reject(delivery, reason, message)
         except Exception:  # the rejection builder itself choked on this message
@@ -179,7 +181,13 @@ class Kernel:
             items = [self.generic_rejection(delivery, reason, message)]
         try:
             for item in items:
-                await self.log.append(item)
+                try:
+                    await self.log.append(item)
+                except EventTooLargeError:
+                    # Cannot happen with clipped texts; if it does, the short generic
+                    # form is stored rather than retrying forever.
+                    await self.log.append(self.generic_rejection(delivery, reason,
+                                                                 message[:200]))
         except AppendError as exc:
             # The rejection could not be stored (the bus is down): the message stays,
             # and comes back after the backoff. Nothing is lost.

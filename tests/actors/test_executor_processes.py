@@ -136,3 +136,46 @@ async def test_a_call_longer_than_ack_wait_is_kept_alive_not_redelivered(
     async with EventWatch(bus, sid) as w:
         events = await w.until(lambda evs: bool(of_type(evs, "turn.completed")))
     assert len(of_type(events, "call.started")) == 1
+
+
+async def test_a_dead_executor_is_noticed_within_seconds_at_the_default_ack_wait(
+    bus: Bus, client: ToolbusClient, nats_url: str, system, sid: str, tmp_path: Path
+) -> None:
+    # Default ack wait (3 s) and in-progress beats: a killed executor's calls are re-run
+    # on a survivor (idempotent) or end `interrupted` (not) within 10 s of the kill.
+    procs = {name: Proc("actor", "executor", "--nats", nats_url, "--tools", TOOLS,
+                        "--instance", name, ready="executor actor")
+             for name in ("dflt-a", "dflt-b", "dflt-c")}
+    try:
+        await asyncio.gather(*(p.wait_ready() for p in procs.values()))
+        runs, effects = tmp_path / "runs.txt", tmp_path / "effects.txt"
+        again = asyncio.create_task(client.call(f"{sid}-again", [{
+            "tool": "proc:idempotent_hold",
+            "arguments": {"path": str(runs), "line": "again", "hold_s": 3}}], timeout=60))
+        once = asyncio.create_task(client.call(f"{sid}-once", [{
+            "tool": "proc:append_line",
+            "arguments": {"path": str(effects), "line": "once", "hold_s": 60}}], timeout=60))
+        await _until_file_has(runs, "again ")
+        await _until_file_has(effects, "once ")
+        # Kill every executor that holds one of the two calls; one of three survives.
+        holders = {int(p.split("=")[1]) for f in (runs, effects)
+                   for p in f.read_text().split() if p.startswith("pid=")}
+        victims = [p for p in procs.values() if p.pid in holders]
+        loop = asyncio.get_running_loop()
+        for v in victims:
+            v.kill()
+        killed_at = loop.time()
+        end_again, end_once = await again, await once
+        took = loop.time() - killed_at
+        # The re-run itself holds 3 s of that.
+        print(f"calls of a SIGKILLed executor ended {took:.1f} s after the kill")
+        assert took < 10
+        assert isinstance(end_again, TurnCompleted) and end_again.ok
+        assert end_again.outcomes[0].result["pid"] not in holders
+        assert isinstance(end_once, TurnCompleted)
+        err = end_once.outcomes[0].error
+        assert err is not None and err.error_type == "interrupted"
+        assert sum(1 for ln in effects.read_text().splitlines() if ln.startswith("once ")) == 1
+    finally:
+        for p in procs.values():
+            p.stop()

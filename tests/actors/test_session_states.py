@@ -1,0 +1,69 @@
+"""Session states in memory: cold start from a snapshot plus the log tail, equal to a
+fold of the whole log; snapshots are only an optimisation."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.kernel import SessionStates
+from bus.connection import Bus
+from bus.eventlog import Append, EventLog
+from bus.snapshots import Snapshot, SnapshotStore
+from bus.subjects import SNAPSHOTS_BUCKET
+from schemas.events import RequestRejected
+from schemas.state import STATE_VERSION, encode_state, fold
+
+
+async def _append_rejections(log: EventLog, sid: str, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        await log.append(Append(RequestRejected(session_id=sid, at=float(i), actor="test",
+                                                reason="test", message=f"m{i}"),
+                                f"{sid}:test:{i}"))
+
+
+async def _folded(log: EventLog, sid: str) -> bytes:
+    return encode_state(fold(sid, ((s.seq, s.event) for s in await log.read_session(sid))))
+
+
+async def test_a_cold_session_loads_its_snapshot_and_folds_only_the_tail(
+        bus: Bus, sid: str) -> None:
+    log = EventLog(bus)
+    await _append_rejections(log, sid, 30)
+    writer = SessionStates(bus, log, snapshot_every=10)
+    entry = await writer.entry(sid)  # folds all 30: snapshots at 10, 20 and 30
+    assert entry.state.event_count == 30
+    for task in list(writer._saving):
+        await task
+    snap = await SnapshotStore(bus).load(sid)
+    assert snap is not None and snap.event_count == 30
+    await _append_rejections(log, sid, 5, start=30)
+
+    reads: list[int] = []
+    real = log.read_session
+
+    async def counting(session_id: str, **kw):  # type: ignore[no-untyped-def]
+        out = await real(session_id, **kw)
+        reads.append(len(out))
+        return out
+
+    log.read_session = counting  # type: ignore[method-assign]
+    cold = await SessionStates(bus, log).entry(sid)
+    assert reads == [5]  # only the tail after the snapshot was read
+    log.read_session = real  # type: ignore[method-assign]
+    assert encode_state(cold.state) == await _folded(log, sid)
+
+
+async def test_an_unusable_snapshot_is_ignored(bus: Bus, sid: str) -> None:
+    log = EventLog(bus)
+    await _append_rejections(log, sid, 3)
+    kv = await bus.js.key_value(SNAPSHOTS_BUCKET)
+    for bad in (b"not json", msgspec.json.encode({"version": STATE_VERSION + 1, "state": {
+            "session_id": sid, "last_seq": 10**9}})):
+        await kv.put(sid, bad)
+        entry = await SessionStates(bus, log).entry(sid)
+        assert encode_state(entry.state) == await _folded(log, sid)
+    # A snapshot of another session under this key is not believed either.
+    other = fold("someone-else", [])
+    await kv.put(sid, msgspec.json.encode(Snapshot(version=STATE_VERSION, state=other)))
+    entry = await SessionStates(bus, log).entry(sid)
+    assert entry.state.session_id == sid and entry.state.event_count == 3
