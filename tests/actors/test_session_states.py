@@ -3,6 +3,8 @@ fold of the whole log; snapshots are only an optimisation."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from actors.kernel import SessionStates
@@ -67,3 +69,24 @@ async def test_an_unusable_snapshot_is_ignored(bus: Bus, sid: str) -> None:
     await kv.put(sid, msgspec.json.encode(Snapshot(version=STATE_VERSION, state=other)))
     entry = await SessionStates(bus, log).entry(sid)
     assert entry.state.session_id == sid and entry.state.event_count == 3
+
+
+async def test_a_long_history_reads_whole_and_in_order(bus: Bus, sid: str) -> None:
+    # Past 1,024 events the log is streamed through an ephemeral consumer instead of
+    # direct gets: same events, same order, `until` and `after` respected.
+    log = EventLog(bus)
+    await asyncio.gather(*(_append_rejections(log, sid, 500, start=k * 500)
+                           for k in range(6)))
+    before = len(await bus.js.consumers_info("TOOLBUS_EVENTS"))
+    everything = await log.read_session(sid)
+    assert len(everything) == 3000
+    seqs = [s.seq for s in everything]
+    assert seqs == sorted(seqs)
+    assert sorted(e.event.message for e in everything) == sorted(f"m{i}" for i in range(3000))
+    middle = seqs[1999]
+    assert [s.seq for s in await log.read_session(sid, until=middle)] == seqs[:2000]
+    assert [s.seq for s in await log.read_session(sid, after=seqs[99])] == seqs[100:]
+    # The ephemeral consumers are deleted after each read (the delete is not awaited).
+    async with asyncio.timeout(5):
+        while len(await bus.js.consumers_info("TOOLBUS_EVENTS")) > before:  # noqa: ASYNC110  # polling the server: it signals nothing
+            await asyncio.sleep(0.02)
