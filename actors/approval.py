@@ -52,6 +52,7 @@ from schemas.events import (
     CallRejected,
     CallRequested,
     Event,
+    clip,
 )
 from schemas.ids import (
     call_terminal_id,
@@ -83,8 +84,8 @@ def decide(call: CallRequested, tools: CompiledTools, policy: Policy, *, now: fl
 
     def reject(reason: str, rule: str, message: str) -> CallRejected:
         return CallRejected(session_id=sid, at=now, actor=ACTOR, call_id=call.call_id,
-                            turn_id=call.turn_id, tool=tool, reason=reason, message=message,
-                            rule=rule)
+                            turn_id=call.turn_id, tool=tool, reason=reason,
+                            message=clip(message), rule=rule)
 
     try:
         split_tool_name(tool)
@@ -152,6 +153,9 @@ def decide_human(call: CallState | None, body: HumanDecision, *, session_id: str
                  call_id: str, now: float) -> ApprovalGranted | ApprovalDenied:
     """A human's decision on a call, as the event to store; `RpcError` if it cannot be
     taken (unknown call, not waiting, already decided, expired)."""
+    if len(body.by) > 128 or len(body.note or "") > 4000 or len(body.reason or "") > 4000:
+        raise RpcError("invalid", "by is at most 128 characters; note and reason at most "
+                                  "4000")
     if body.decision == "deny" and not body.reason:
         raise RpcError("invalid", "a denial needs a reason (it is what the model will read)")
     if call is None or call.approval_expires_at is None:

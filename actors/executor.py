@@ -54,6 +54,7 @@ from schemas.events import (
     CallSucceeded,
     Event,
     ResultRef,
+    clip,
 )
 from schemas.ids import call_started_id, call_terminal_id, check_namespace
 from schemas.tools import DEFAULT_POOL, ExecutorInfo, ToolSpec, instance_route, pool_route
@@ -194,8 +195,8 @@ class Executor:
     def _failed(self, d: CallDispatched, error_type: str, message: str, *,
                 retryable: bool = False, duration_ms: float = 0.0) -> CallFailed:
         return CallFailed(session_id=d.session_id, at=self._clock(), actor="executor",
-                          call_id=d.call_id, turn_id=d.turn_id, error_type=error_type,
-                          message=message, retryable=retryable, executor=self.instance,
+                          call_id=d.call_id, turn_id=d.turn_id, error_type=error_type[:128],
+                          message=clip(message), retryable=retryable, executor=self.instance,
                           duration_ms=duration_ms)
 
     async def _on_dispatch(self, delivery: Delivery) -> None:
@@ -241,14 +242,16 @@ class Executor:
                 pending_start = asyncio.create_task(self._append(started_event, started_id))
             else:
                 await self._append(started_event, started_id)
+            # Beats until the outcome is stored, not only while the tool runs: the append
+            # may retry for longer than the ack wait.
             keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
             try:
-                outcome = await self._run(d, tool, keep_alive)
+                outcome = await self._run(d, tool, keep_alive, attempt)
+                if pending_start is not None:
+                    await pending_start
+                await self._append(outcome, terminal_id)
             finally:
                 keep_alive.cancel()
-            if pending_start is not None:
-                await pending_start
-            await self._append(outcome, terminal_id)
         await delivery.ack()
 
     def _reject(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
@@ -258,8 +261,8 @@ class Executor:
         return [Append(self._failed(d, "internal", message),
                        call_terminal_id(d.session_id, d.call_id))]
 
-    async def _run(self, d: CallDispatched, tool: RunnableTool,
-                   keep_alive: _KeepAlive) -> Event:
+    async def _run(self, d: CallDispatched, tool: RunnableTool, keep_alive: _KeepAlive,
+                   attempt: int) -> Event:
         timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000
         try:
             tool.check_arguments(d.arguments)
@@ -299,7 +302,7 @@ class Executor:
             del result
             keep_alive.poke()
             try:
-                ref = await self._artifacts.put(d.session_id, d.call_id, encoded)
+                ref = await self._artifacts.put(d.session_id, d.call_id, attempt, encoded)
             except ArtifactError as exc:
                 return self._failed(d, "result_not_stored", str(exc), retryable=True,
                                     duration_ms=_ms(t0))

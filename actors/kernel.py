@@ -206,10 +206,13 @@ class Kernel:
         """A `request.rejected` in the message's session (or the system session when the
         subject names none) for a message nothing more specific can be said of."""
         sid = session_of(delivery.subject)
-        event = RequestRejected(session_id=sid if is_token(sid) else SYSTEM_SESSION,
+        own = is_token(sid)
+        event = RequestRejected(session_id=sid if own else SYSTEM_SESSION,
                                 at=self.clock(), actor=self.actor, reason=reason,
-                                message=message, subject=delivery.subject[:300],
-                                excerpt=excerpt(delivery.data))
+                                message=message,
+                                subject=delivery.subject[:300],
+                                excerpt=excerpt(delivery.data) if own
+                                else f"({len(delivery.data)} bytes)")
         return Append(event, message_rejected_id(self.actor, delivery.stream_seq))
 
 
@@ -262,7 +265,7 @@ class SessionStates:
         fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self._loading[sid] = fut
         try:
-            state = await self._snapshots.load(sid) or SessionState(session_id=sid)
+            state = await self._trusted_snapshot(sid) or SessionState(session_id=sid)
             entry = Entry(state)
             for stored in await self._log.read_session(sid, after=state.last_seq):
                 self._fold(entry, stored.seq, stored.event)
@@ -277,6 +280,20 @@ class SessionStates:
             raise
         finally:
             del self._loading[sid]
+
+    async def _trusted_snapshot(self, sid: str) -> SessionState | None:
+        """The session's snapshot, if the log still agrees with it: its last event
+        exists and is this session's. A snapshot that outlived its stream (restored,
+        recreated) would otherwise make every decision wrong."""
+        state = await self._snapshots.load(sid)
+        if state is None or state.last_seq == 0:
+            return None
+        at = await self._log.read_at(state.last_seq)
+        if at is None or session_of(at.subject) != sid:
+            log.warning("snapshot of %s ends at seq %d, which the log does not hold for "
+                        "it; folding the log instead", sid, state.last_seq)
+            return None
+        return state
 
     def peek(self, sid: str) -> Entry | None:
         """The cached entry, if the session is in memory."""

@@ -61,6 +61,7 @@ from schemas.events import (
     TurnCompleted,
     TurnFailed,
     TurnRequested,
+    clip,
 )
 from schemas.ids import (
     AUTO_REQUEST_PREFIX,
@@ -211,7 +212,7 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
                                     if o.error is not None)
                 ev: Event = TurnFailed(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
                                        request_id=turn.request_id, reason="all_calls_rejected",
-                                       message=reasons, outcomes=outcomes)
+                                       message=clip(reasons), outcomes=outcomes)
             else:
                 ev = TurnCompleted(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
                                    request_id=turn.request_id,
@@ -254,9 +255,14 @@ def reject_request(subject: str, data: bytes, request_seq: int, reason: str, mes
                    *, now: float) -> Append:
     """The stored rejection of a request that cannot be accepted."""
     sid = subject[len(REQUESTS_PREFIX) + 1:]
-    event = RequestRejected(session_id=sid if is_token(sid) else SYSTEM_SESSION, at=now,
-                            actor=ACTOR, reason=reason, message=message, subject=subject[:300],
-                            request_id=_request_id_of(data), excerpt=excerpt(data))
+    own = is_token(sid)
+    # The system session is shared: a body that names no usable session is not quoted
+    # there (it may hold someone's secrets), only measured.
+    event = RequestRejected(session_id=sid if own else SYSTEM_SESSION, at=now,
+                            actor=ACTOR, reason=reason, message=message,
+                            subject=subject[:300],
+                            request_id=_request_id_of(data) if own else None,
+                            excerpt=excerpt(data) if own else f"({len(data)} bytes)")
     return Append(event, request_rejected_id(request_seq))
 
 
@@ -340,6 +346,12 @@ class SessionActor:
                     log.warning("session %s: unreadable event at seq %d: %s",
                                 sid, stored.seq, stored.error)
                 self._states.fold(entry, stored.seq, stored.event)
+                if isinstance(stored.event, RequestRejected) and \
+                        stored.event.actor == ACTOR and stored.event.reason == "internal":
+                    # Our own record that deciding for this session raised: deciding
+                    # again on it would raise again and record again, forever.
+                    await delivery.ack()
+                    return
             await self._settle(entry)
         await delivery.ack()
 

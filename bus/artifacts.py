@@ -1,4 +1,6 @@
-"""Large tool results in the `toolbus_artifacts` object store, under `<sid>/<call_id>`.
+"""Large tool results in the `toolbus_artifacts` object store, under
+`<sid>/<call_id>/<attempt>` (per attempt, so a rerun on another executor never replaces
+the bytes an event already references).
 
 The event keeps a `ResultRef` (key, size, sha256, preview) instead of the result, so no
 event grows past the event limit. Chunks are streamed in and out; a read can write into
@@ -7,6 +9,7 @@ a file so that a 50 MB result is never held twice.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 from typing import BinaryIO
@@ -22,8 +25,22 @@ from schemas.errors import ArtifactError
 from schemas.events import ResultRef
 
 
-def artifact_key(session_id: str, call_id: str) -> str:
-    return f"{session_id}/{call_id}"
+def artifact_key(session_id: str, call_id: str, attempt: int) -> str:
+    return f"{session_id}/{call_id}/{attempt}"
+
+
+class _Checked:
+    """A writer that hashes and counts what passes through it."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.out.write(data)
 
 
 def preview_of(data: bytes, chars: int = RESULT_PREVIEW_CHARS) -> str:
@@ -41,9 +58,10 @@ class ArtifactStore:
             self._obs = await self._bus.js.object_store(ARTIFACTS_BUCKET)
         return self._obs
 
-    async def put(self, session_id: str, call_id: str, data: bytes) -> ResultRef:
-        """Store one result's JSON; storing the same key again replaces it (a rerun)."""
-        key = artifact_key(session_id, call_id)
+    async def put(self, session_id: str, call_id: str, attempt: int,
+                  data: bytes) -> ResultRef:
+        """Store one result's JSON (the same attempt again replaces it)."""
+        key = artifact_key(session_id, call_id, attempt)
         try:
             await (await self._store()).put(key, io.BytesIO(data))
         except (nats.errors.Error, TimeoutError) as exc:
@@ -52,22 +70,27 @@ class ArtifactStore:
                          preview=preview_of(data))
 
     async def read_into(self, ref: ResultRef, out: BinaryIO) -> None:
-        """Write the stored bytes into `out`, checking size and digest."""
+        """Write the stored bytes into `out`, then check their size and sha256 against the
+        reference (`ArtifactError` if they differ: `out` then holds bad bytes). Bounded:
+        30 s plus a second per MB."""
+        checked = _Checked(out)
         try:
-            result = await (await self._store()).get(ref.key, writeinto=out)  # type: ignore[arg-type]  # nats-py types it BufferedIOBase; any writable works
+            async with asyncio.timeout(30 + ref.size / 1e6):
+                await (await self._store()).get(ref.key, writeinto=checked)  # type: ignore[arg-type]  # nats-py types it BufferedIOBase; any writable works
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError) as exc:
             raise ArtifactError(ref.key, "not in the object store (deleted, or the "
                                          "stream was purged)") from exc
-        except (nats.errors.Error, TimeoutError) as exc:
+        except TimeoutError as exc:
+            raise ArtifactError(ref.key, "not read in time (its chunks may be missing)"
+                                ) from exc
+        except nats.errors.Error as exc:
             raise ArtifactError(ref.key, f"could not read it: {exc}") from exc
-        if result.info.size != ref.size:
-            raise ArtifactError(ref.key, f"is {result.info.size} bytes; the event says "
-                                         f"{ref.size}")
+        if checked.size != ref.size or checked.sha.hexdigest() != ref.sha256:
+            raise ArtifactError(ref.key, f"holds {checked.size} bytes that do not match "
+                                         f"the event's reference ({ref.size} bytes, sha256 "
+                                         f"{ref.sha256[:12]}…)")
 
     async def read(self, ref: ResultRef) -> bytes:
         buf = io.BytesIO()
         await self.read_into(ref, buf)
-        data = buf.getvalue()
-        if hashlib.sha256(data).hexdigest() != ref.sha256:
-            raise ArtifactError(ref.key, "its sha256 does not match the event's")
-        return data
+        return buf.getvalue()

@@ -53,6 +53,7 @@ class _Watcher:
         self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
         self.results: dict[str, CallSucceeded] = {}
         self.subs: list[Any] = []
+        self.ready = asyncio.Event()
         self._prefix = f"{LIVE_PREFIX}.{session_id}."
 
     async def on_msg(self, msg: Any) -> None:
@@ -86,10 +87,20 @@ class ToolbusClient:
     async def _watch(self, session_id: str) -> _Watcher:
         w = self._watchers.get(session_id)
         if w is not None:
-            return w
+            await w.ready.wait()  # a concurrent first call is subscribing
+            if self._watchers.get(session_id) is w:
+                return w
+            return await self._watch(session_id)  # that subscribe failed: try ourselves
         w = _Watcher(session_id)
-        w.subs = [await self.bus.nc.subscribe(live_filter(session_id), cb=w.on_msg)]
+        # Registered before the await, so concurrent first calls share one subscription.
         self._watchers[session_id] = w
+        try:
+            w.subs = [await self.bus.nc.subscribe(live_filter(session_id), cb=w.on_msg)]
+        except BaseException:
+            del self._watchers[session_id]
+            raise
+        finally:
+            w.ready.set()
         if len(self._watchers) > self._max_watched:
             for sid, old in list(self._watchers.items()):
                 if not old.waiting:
@@ -192,7 +203,8 @@ class ToolbusClient:
             if ev is None and o.result_seq is not None:
                 stored = await self.log.read_at(o.result_seq)
                 ev = stored.event if stored is not None else None
-            if isinstance(ev, CallSucceeded):
+            if isinstance(ev, CallSucceeded) and ev.call_id == o.call_id and \
+                    ev.session_id == end.session_id:
                 o = msgspec.structs.replace(o, result=ev.result, result_ref=ev.result_ref)
             if full and o.result_ref is not None and o.result is None:
                 data = await ArtifactStore(self.bus).read(o.result_ref)
@@ -224,7 +236,8 @@ class ToolbusClient:
             return None
         stored = await self.log.read_at(turn.ended_seq)
         ev = stored.event if stored is not None else None
-        if not isinstance(ev, TurnCompleted | TurnFailed):
+        if not isinstance(ev, TurnCompleted | TurnFailed) or ev.turn_id != turn_id or \
+                ev.session_id != session_id:
             return None
         return await self._with_results(ev, {}, full=full)
 

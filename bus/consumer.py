@@ -143,7 +143,9 @@ class PullLoop:
     async def _on_msg(self, msg: Msg) -> None:
         self._last_seen = asyncio.get_running_loop().time()
         hdrs = msg.headers
-        if hdrs and not msg.data and Header.STATUS.value in hdrs:
+        # A status from the server has no reply subject; a stored message always has
+        # its `$JS.ACK...` one, whatever headers its publisher gave it.
+        if hdrs and not msg.data and not msg.reply and Header.STATUS.value in hdrs:
             status = hdrs[Header.STATUS.value]
             if status == Status.IDLE_HEARTBEAT:
                 return

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus.connection import Bus
-from schemas.errors import RpcError, ToolbusError
+from schemas.errors import BusError, RpcError, ToolbusError
 
 log = logging.getLogger("toolbus.bus")
 
@@ -59,6 +59,8 @@ class Responder:
             reply = await self._handler(msg.subject, msg.data)
         except RpcError as exc:
             reply = _error(exc.code, exc.message, exc.details)
+        except BusError as exc:  # an outage, not a bad request: worth retrying
+            reply = _error("unavailable", str(exc))
         except ToolbusError as exc:
             reply = _error("invalid", str(exc))
         except Exception as exc:

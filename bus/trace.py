@@ -16,6 +16,7 @@ Span names and attributes follow the OpenTelemetry GenAI semantic conventions (s
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from contextvars import Token
@@ -92,6 +93,7 @@ TRACE_HEADERS: Final[frozenset[str]] = frozenset(_W3C.fields)
 # Plain strings, read once: an enum member lookup costs more than the rest of the
 # disabled path.
 _TRACEPARENT: Final = str(Header.TRACEPARENT)
+_TRACEPARENT_FORM = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _QUALIFIERS: Final = tuple(sorted(TRACE_HEADERS - {_TRACEPARENT}))
 
 # A shared, reusable no-op: `nullcontext` keeps no state, and INVALID_SPAN's methods do
@@ -125,9 +127,13 @@ def headers_for_child(parent: Mapping[str, str] | None) -> dict[str, str]:
             return carrier
     if parent is None or (traceparent := parent.get(_TRACEPARENT)) is None:
         return {}
+    # Passed on verbatim only when well formed: a client's header is copied onto every
+    # event its request causes, so a malformed or oversized one stops here.
+    if len(traceparent) != 55 or _TRACEPARENT_FORM.fullmatch(traceparent) is None:
+        return {}
     headers = {_TRACEPARENT: traceparent}
     for name in _QUALIFIERS:
-        if (value := parent.get(name)) is not None:
+        if (value := parent.get(name)) is not None and len(value) <= 512:
             headers[name] = value
     return headers
 

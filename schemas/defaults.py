@@ -22,6 +22,11 @@ MAX_INLINE_RESULT_BYTES: Final = MAX_EVENT_BYTES - 16 * 1024
 RESULT_PREVIEW_CHARS: Final = 1024
 DUPLICATE_WINDOW_S: Final = 600.0
 
+# Free text in events (error messages, reasons) is clipped to this many characters; in a
+# turn's outcomes, to the shorter limit, so a turn's end always fits in one event.
+MAX_MESSAGE_CHARS: Final = 8000
+OUTCOME_MESSAGE_CHARS: Final = 1000
+
 # -- requests (the decoder's limits; see README "Limits")
 MAX_REQUEST_BYTES: Final = 128 * 1024  # under MAX_EVENT_BYTES: arguments land in events
 MAX_JSON_DEPTH: Final = 64

@@ -11,6 +11,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from schemas.defaults import MAX_MESSAGE_CHARS
+
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     session_id: str
@@ -299,3 +301,11 @@ def summarize(event: Event) -> str:
 
 def _clip(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """Free text bound for an event, cut to `limit` characters (saying how much was cut):
+    messages quote what was wrong, and what was wrong can be large."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 40]}… ({len(text) - limit + 40} more characters)"

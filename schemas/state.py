@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from schemas.defaults import OUTCOME_MESSAGE_CHARS
 from schemas.events import (
     ApprovalDenied,
     ApprovalGranted,
@@ -33,6 +34,7 @@ from schemas.events import (
     TurnCompleted,
     TurnFailed,
     TurnRequested,
+    clip,
 )
 
 CallStatus = Literal["requested", "awaiting_approval", "approved", "denied", "rejected",
@@ -91,7 +93,9 @@ class CallState(msgspec.Struct, kw_only=True):
             call_id=self.call_id,
             tool=self.tool,
             status=status,
-            error=self.error,
+            error=None if self.error is None else ErrorInfo(
+                error_type=self.error.error_type, retryable=self.error.retryable,
+                message=clip(self.error.message, OUTCOME_MESSAGE_CHARS)),
             result_seq=self.result_seq,
             result_ref=self.result_ref,
         )

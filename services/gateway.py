@@ -34,7 +34,7 @@ MAX_BODY = 256 * 1024
 
 
 _STATUS_OF_CODE = {"invalid": 400, "not_found": 404, "conflict": 409, "too_large": 413,
-                   "internal": 500}
+                   "unavailable": 503, "internal": 500}
 
 
 def _error(status: int, message: str) -> JSONResponse:

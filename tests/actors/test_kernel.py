@@ -463,3 +463,48 @@ async def test_a_rejection_quoting_a_huge_value_is_clipped_and_stored(bus, sid) 
     rejected = stored[0].event
     assert rejected is not None and rejected.reason == "invalid_request"
     assert len(rejected.message) <= 500
+
+
+async def test_a_turn_whose_errors_quote_huge_values_still_ends_once(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    # The schema error quotes a 65 KB value with escapes: the call's rejection and the
+    # turn's end are clipped, so the turn ends (once) instead of failing to be stored.
+    end = await client.call(sid, [{"tool": "testing:sleep",
+                                   "arguments": {"seconds": '"' * 65_000}}], timeout=10)
+    assert not isinstance(end, RequestRejected)
+    assert end.outcomes[0].status == "rejected"
+    stored = await EventLog(bus).read_session(sid)
+    sizes = {type(s.event).__name__: len(s.data) for s in stored}
+    assert sizes["CallRejected"] < 16 * 1024 and sizes["TurnFailed"] < 16 * 1024
+    assert [type(s.event).__name__ for s in stored].count("RequestRejected") == 0
+    assert len(stored) == 4  # turn, call, its rejection, the turn's end: nothing more
+
+
+async def test_a_stored_message_posing_as_a_server_status_is_still_handled(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    # An empty request with a `Status` header is a request like any other (rejected),
+    # not a heartbeat that would sit unacknowledged in the requests consumer forever.
+    for i in range(20):
+        await bus.js.publish(request_subject(f"{sid}-s{i}"), b"",
+                             headers={Header.STATUS.value: "404"})
+    end = await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
+    assert isinstance(end, TurnCompleted)
+    for i in range(20):
+        async with EventWatch(bus, f"{sid}-s{i}") as w:
+            events = await w.until(lambda evs: bool(evs), timeout=5)
+        assert isinstance(events[0], RequestRejected)
+    info = await bus.js.consumer_info(REQUESTS_STREAM, "session-requests")
+    assert info.num_ack_pending == 0
+
+
+async def test_a_malformed_traceparent_is_not_copied_onto_events(bus: Bus, sid: str) -> None:
+    await bus.js.publish(request_subject(sid),
+                         b'{"calls": [{"tool": "built-in:echo", "arguments": {}}]}',
+                         headers={"traceparent": "x" * 60_000})
+    async with EventWatch(bus, sid) as w:
+        await w.until(lambda evs: any(isinstance(e, TurnCompleted) for e in evs), timeout=10)
+    sizes = []
+    for s in w.events:
+        msg = await bus.js.get_msg("TOOLBUS_EVENTS", s.seq, direct=True)
+        sizes.append(len((msg.headers or {}).get("traceparent", "")))
+    assert sizes and max(sizes) == 0
