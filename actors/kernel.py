@@ -38,7 +38,7 @@ from bus import trace
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, AppendResult, EventLog
-from bus.snapshots import SnapshotStore
+from bus.snapshots import SnapshotStore, encode_snapshot
 from bus.streams import ConsumerSpec
 from bus.subjects import session_of
 from schemas.defaults import (
@@ -54,7 +54,7 @@ from schemas.errors import (
 )
 from schemas.events import Event, RequestRejected
 from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
-from schemas.state import SessionState, decode_state, encode_state, evolve
+from schemas.state import SessionState, evolve
 
 log = logging.getLogger("toolbus.kernel")
 
@@ -144,9 +144,12 @@ class Kernel:
     async def _deliver(self, inbox: Inbox, delivery: Delivery) -> None:
         _parent.set(delivery.headers)
         try:
-            with trace.span(f"{self.actor} {inbox.consumer.durable}", kind="consumer",
-                            parent=delivery.headers,
-                            attributes={"messaging.destination.name": delivery.subject}):
+            if trace.enabled():
+                with trace.span(f"{self.actor} {inbox.consumer.durable}", kind="consumer",
+                                parent=delivery.headers,
+                                attributes={"messaging.destination.name": delivery.subject}):
+                    await inbox.handle(delivery)
+            else:
                 await inbox.handle(delivery)
             return
         except asyncio.CancelledError:
@@ -230,6 +233,9 @@ class Entry:
     written_upto: int = 0
     caught_up: asyncio.Event = field(default_factory=asyncio.Event)
     folded_since_snapshot: int = 0
+    # True once a decision was taken on the state as it is (nothing was due, or what was
+    # due is written); False after a cold load, so redeliveries decide again.
+    settled: bool = False
 
     @property
     def is_caught_up(self) -> bool:
@@ -334,14 +340,15 @@ class SessionStates:
             self._save_snapshot(state)
 
     def _save_snapshot(self, state: SessionState) -> None:
-        # A copy, taken now: the live state keeps changing while the put is on the wire.
-        copy = decode_state(encode_state(state))
+        # Encoded now: the live state keeps changing while the put is on the wire.
+        data = encode_snapshot(state)
+        sid = state.session_id
 
         async def save() -> None:
             try:
-                await self._snapshots.save(copy)
+                await self._snapshots.save_encoded(sid, data)
             except Exception as exc:  # an optimisation only: the log is the truth
-                log.debug("snapshot of %s not saved: %s", copy.session_id, exc)
+                log.debug("snapshot of %s not saved: %s", sid, exc)
 
         if len(self._saving) < 64:
             task = asyncio.get_running_loop().create_task(save())

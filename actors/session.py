@@ -326,8 +326,9 @@ class SessionActor:
         return decide(state, now=self._clock(), max_parallel=self._max_parallel)
 
     async def _settle(self, entry: Entry) -> None:
-        if not await self._states.decide_and_write(entry, self._decide,
-                                                   attempts=DECIDE_ATTEMPTS):
+        entry.settled = await self._states.decide_and_write(entry, self._decide,
+                                                            attempts=DECIDE_ATTEMPTS)
+        if not entry.settled:
             log.warning("session %s: gave up deciding after %d conflicts",
                         entry.state.session_id, DECIDE_ATTEMPTS)
 
@@ -340,6 +341,12 @@ class SessionActor:
             return
         entry = await self._states.entry(sid)
         async with entry.lock:
+            if delivery.stream_seq <= entry.state.last_seq and entry.settled and \
+                    entry.is_caught_up:
+                # Already folded (mostly our own writes coming back): the state has not
+                # changed since the last decision, so nothing new can be due.
+                await delivery.ack()
+                return
             if delivery.stream_seq > entry.state.last_seq:
                 stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
                 if stored.event is None:

@@ -8,11 +8,11 @@ messages of one key (a session) in order while different keys run concurrently.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -77,7 +77,7 @@ class PullLoop:
         self._heartbeat_ns = int(min(expires_s / 4, 2.0) * 1e9)
         self._outstanding = 0
         self._in_flight = 0
-        self._tails: dict[str, asyncio.Task[None]] = {}
+        self._queues: dict[str, collections.deque[Delivery]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -172,26 +172,35 @@ class PullLoop:
         )
         self._in_flight += 1
         if self._key is None:
-            task = asyncio.create_task(self._handle(delivery, None))
-        else:
-            key = self._key(msg.subject)
-            prev = self._tails.get(key)
-            task = asyncio.create_task(self._handle(delivery, prev))
-            self._tails[key] = task
-            task.add_done_callback(functools.partial(self._drop_tail, key))
+            self._spawn(self._handle(delivery))
+            return
+        key = self._key(msg.subject)
+        queue = self._queues.get(key)
+        if queue is not None:
+            queue.append(delivery)  # its key's worker takes it next, in order
+            return
+        self._queues[key] = collections.deque((delivery,))
+        self._spawn(self._drain(key))
+
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _drop_tail(self, key: str, task: asyncio.Task[None]) -> None:
-        if self._tails.get(key) is task:
-            del self._tails[key]
-
-    async def _handle(self, delivery: Delivery, prev: asyncio.Task[None] | None) -> None:
+    async def _drain(self, key: str) -> None:
+        """One worker per key with messages waiting: handles them in delivery order,
+        and ends when none are left (a new message then starts a new worker)."""
+        queue = self._queues[key]
         try:
-            if prev is not None and not prev.done():
-                # Keep one key's messages in delivery order; the predecessor's outcome
-                # (even a failure) does not matter here, only that it is over.
-                await asyncio.wait([prev])
+            while queue:
+                await self._handle(queue[0])
+                queue.popleft()
+        finally:
+            if self._queues.get(key) is queue:
+                del self._queues[key]
+
+    async def _handle(self, delivery: Delivery) -> None:
+        try:
             await self._handler(delivery)
         except asyncio.CancelledError:
             raise

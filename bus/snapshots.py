@@ -64,8 +64,14 @@ class SnapshotStore:
 
     async def save(self, state: SessionState) -> bool:
         """Store a snapshot; False (and nothing stored) when it is too large."""
-        data = _encoder.encode(Snapshot(version=STATE_VERSION, state=state))
+        return await self.save_encoded(state.session_id, encode_snapshot(state))
+
+    async def save_encoded(self, session_id: str, data: bytes) -> bool:
         if len(data) > MAX_SNAPSHOT_BYTES:
             return False
-        await (await self._bucket()).put(state.session_id, data)
+        await (await self._bucket()).put(session_id, data)
         return True
+
+
+def encode_snapshot(state: SessionState) -> bytes:
+    return _encoder.encode(Snapshot(version=STATE_VERSION, state=state))
