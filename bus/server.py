@@ -14,7 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from schemas.errors import PortInUseError, ServerStartError
+from schemas.defaults import SERVER_MAX_PAYLOAD
+from schemas.errors import ConfigError, PortInUseError, ServerStartError
+
+FSYNC_MODES = ("batch", "always")
 
 
 def nats_server_binary() -> str:
@@ -55,6 +58,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedServer:
     """`nats-server -js` on `host:port` with its store in `data_dir`.
 
+    `fsync="batch"` keeps JetStream's default: each write reaches the OS before the ack,
+    and files are fsynced every `sync_interval` (2 min), so an acknowledged event survives
+    a crash of the server process but not of the machine (power cut, kernel panic).
+    `fsync="always"` fsyncs every write before its ack (`sync_interval: always`): it
+    survives those too, at a cost in latency that `toolbus bench calls --fsync always`
+    measures. `monitor_port` serves nats-server's HTTP monitoring (`/varz`, `/jsz`) on
+    `host`.
+
     Blocking start/stop on purpose: it runs before and after the event loop's work, and
     a context manager makes sure the child never outlives the parent's clean exit.
     """
@@ -65,15 +76,24 @@ class EmbeddedServer:
         *,
         host: str = "127.0.0.1",
         port: int = 4222,
+        fsync: str = "batch",
+        max_payload: int = SERVER_MAX_PAYLOAD,
+        monitor_port: int | None = None,
         start_timeout: float = 15.0,
     ) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, not {fsync!r}")
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
+        self.fsync = fsync
+        self.max_payload = max_payload
+        self.monitor_port = monitor_port
         self.start_timeout = start_timeout
         self.process: subprocess.Popen[bytes] | None = None
         self.preexec: Callable[[], None] | None = None
         self._log_path = self.data_dir / "nats-server.log"
+        self.config_path = self.data_dir / "nats-server.conf"
 
     @property
     def url(self) -> str:
@@ -83,8 +103,10 @@ class EmbeddedServer:
         if not port_is_free(self.host, self.port):
             raise PortInUseError(self.host, self.port)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.config_text())
         cmd = [
             nats_server_binary(),
+            "-c", str(self.config_path),
             "-js",
             "-a", self.host,
             "-p", str(self.port),
@@ -92,6 +114,8 @@ class EmbeddedServer:
             "-n", f"toolbus-{self.port}",
             "-l", str(self._log_path),
         ]
+        if self.monitor_port is not None:
+            cmd += ["-m", str(self.monitor_port)]
         # Its own process group, so a Ctrl-C in the terminal reaches toolbus first and
         # toolbus stops the server in order, after the actors have drained.
         self.process = subprocess.Popen(
@@ -116,6 +140,15 @@ class EmbeddedServer:
             f"nats-server did not accept connections on {self.url} within "
             f"{self.start_timeout:.0f} s (log: {self._log_path})"
         )
+
+    def config_text(self) -> str:
+        """The settings nats-server takes only from a config file; the rest are flags
+        (which win over the file), so the store stays where earlier versions put it."""
+        lines = ["# Written by toolbus at each start of the embedded server: edits are lost.",
+                 f"max_payload: {self.max_payload}"]
+        if self.fsync == "always":
+            lines += ["jetstream {", "  sync_interval: always", "}"]
+        return "\n".join(lines) + "\n"
 
     def stop(self, timeout: float = 10.0) -> None:
         proc = self.process

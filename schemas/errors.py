@@ -7,6 +7,7 @@
     │   ├── ManifestError         a manifest file is invalid (names the key path)
     │   └── ToolConflictError     two sources register the same tool name
     ├── RpcError                  an actor answered a request with an error (has a `code`)
+    ├── WorkerError               a worker process of `toolbus up --workers N` failed
     └── BusError                  anything that went wrong talking to NATS
         ├── ConnectError          the server could not be reached
         ├── ServerStartError      the embedded nats-server could not start
@@ -65,6 +66,17 @@ class ToolConflictError(ConfigError):
             f"register the same name. Rename one of them, or remove the old entry with "
             f"`toolbus tools remove {name}` if {registered_by} is gone for good"
         )
+
+
+class WorkerError(ToolbusError):
+    """A worker process could not start, or kept exiting. `code` is its exit code (None
+    if it is still running, negative if a signal ended it)."""
+
+    def __init__(self, worker: str, code: int | None, detail: str) -> None:
+        self.worker = worker
+        self.code = code
+        self.detail = detail
+        super().__init__(f"worker {worker} {detail}")
 
 
 class BusError(ToolbusError):
@@ -133,7 +145,8 @@ class BusTimeoutError(BusError, TimeoutError):
 class RpcError(ToolbusError):
     """An error answer to a request: `code` is stable (match on it), `message` is for
     people. Codes: `invalid` (the request is malformed), `not_found`, `conflict` (e.g.
-    already decided), `too_large`, `internal`."""
+    already decided), `too_large`, `unavailable` (the bus failed: try again),
+    `internal`."""
 
     def __init__(self, code: str, message: str, **details: str | int | None) -> None:
         self.code = code

@@ -1,8 +1,9 @@
-"""`toolbus bench`: end-to-end numbers next to the floor measured in the same run.
+"""`toolbus bench`: end-to-end numbers beside the floor measured in the same run.
 
 Machines here are shared and noisy, so absolute numbers mean little alone: every run
-also measures raw JetStream publish+ack and raw core request/reply from the same client,
-and reports toolbus as a ratio of those.
+also measures its floor (raw JetStream publish+ack and raw core request/reply from the
+same client, a direct MCP call, a bare interpreter start), prints each figure beside it
+with the ratio, and prints the machine's load and CPU count in the header.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,36 @@ import msgspec
 from bus.baseline import raw_ops
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
+from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer, free_port
-from schemas.events import TurnCompleted
+from bus.streams import provision
+from schemas.events import (
+    CallApproved,
+    CallDispatched,
+    CallOutcome,
+    CallRequested,
+    CallStarted,
+    CallSucceeded,
+    Event,
+    TurnCompleted,
+    TurnRequested,
+    decode_event,
+)
+from schemas.ids import (
+    call_id_for,
+    call_requested_id,
+    call_started_id,
+    call_terminal_id,
+    dispatch_id,
+    policy_decision_id,
+    turn_ended_id,
+    turn_requested_id,
+)
+from schemas.state import fold
+from schemas.tools import pool_route
 from services.sample_mcp import wait_listening
+
+Op = Callable[[int], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,22 +72,122 @@ class Stats:
     def per_s(self) -> float:
         return self.n / self.seconds if self.seconds else 0.0
 
+    def figure(self, which: str) -> float:
+        return {"p50": self.p50_ms, "p99": self.p99_ms, "per_s": self.per_s}[which]
 
-def _row_json(r: Stats) -> dict[str, Any]:
+
+def _stats(name: str, lat: list[float], *, seconds: float, concurrency: int) -> Stats:
+    ordered = sorted(lat)
+    return Stats(name, len(lat), concurrency, seconds, statistics.median(ordered) * 1e3,
+                 ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3)
+
+
+@dataclass(frozen=True, slots=True)
+class Versus:
+    """One figure of a measurement beside a figure of its floor: `value / floor_value`
+    (how many times the floor's latency, or what fraction of the floor's rate)."""
+
+    figure: str  # "p50" | "p99" | "per_s" of the measurement
+    floor: Stats
+    floor_figure: str  # "p50" | "per_s" of the floor
+    value: float
+    floor_value: float
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.floor_value if self.floor_value else float("inf")
+
+
+@dataclass(slots=True)
+class Line:
+    """A measurement and the floors it is compared with."""
+
+    stats: Stats
+    versus: list[Versus] = field(default_factory=list)
+
+    def beside(self, floor: Stats, *figures: tuple[str, str]) -> Line:
+        for mine, theirs in figures:
+            self.versus.append(Versus(mine, floor, theirs, self.stats.figure(mine),
+                                      floor.figure(theirs)))
+        return self
+
+    def ratio(self, figure: str, floor: Stats) -> float:
+        return next(v.ratio for v in self.versus if v.figure == figure and v.floor is floor)
+
+
+# Latency figures are compared with the floor's p50 (its typical cost), rates with rates.
+LATENCY = (("p50", "p50"), ("p99", "p50"))
+RATE = (("per_s", "per_s"),)
+
+
+def _line_json(line: Line) -> dict[str, Any]:
+    r = line.stats
     return {"name": r.name, "n": r.n, "concurrency": r.concurrency,
             "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
-            "per_s": round(r.per_s, 1)}
+            "per_s": round(r.per_s, 1),
+            "vs": [{"figure": v.figure, "floor": v.floor.name,
+                    "floor_concurrency": v.floor.concurrency, "floor_figure": v.floor_figure,
+                    "floor_value": round(v.floor_value, 3), "ratio": round(v.ratio, 3)}
+                   for v in line.versus]}
 
 
-def _print_rows(rows: list[Stats]) -> None:
-    print(f"{'measure':<30} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>9}")
-    for r in rows:
-        print(f"{r.name:<30} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
-              f"{r.per_s:>9.0f}")
+def _floor_text(v: Versus) -> str:
+    value = (f"{v.floor_value:.3f} ms" if v.floor_figure != "per_s"
+             else f"{v.floor_value:.0f}/s")
+    return f"{v.floor.name} [{v.floor.concurrency}] {v.floor_figure} {value}"
 
 
-async def measure(name: str, op: Callable[[int], Awaitable[None]], *, n: int,
-                  concurrency: int) -> Stats:
+def _print_lines(lines: list[Line]) -> None:
+    head = (f"{'measure':<34} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>8}  "
+            f"{'floor':<48} ratio")
+    print(head)
+    for line in lines:
+        r = line.stats
+        main = (f"{r.name:<34} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
+                f"{r.per_s:>8.0f}")
+        groups: dict[tuple[int, str], list[Versus]] = {}
+        for v in line.versus:
+            groups.setdefault((id(v.floor), v.floor_figure), []).append(v)
+        if not groups:
+            print(f"{main}  -")
+        for i, items in enumerate(groups.values()):
+            ratios = "  ".join(f"{v.figure} {v.ratio:.2f}x" for v in items)
+            print(f"{main if i == 0 else ' ' * len(main)}  {_floor_text(items[0]):<48} "
+                  f"{ratios}")
+
+
+# --- machine ----------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    cpus = os.cpu_count() or 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": cpus,
+            "cpus_usable": usable}
+
+
+def _header(what: str, machine: dict[str, Any], settings: str) -> str:
+    one, five, fifteen = machine["loadavg"]
+    cpus = f"{machine['cpus']} CPUs"
+    if machine["cpus_usable"] != machine["cpus"]:
+        cpus += f" ({machine['cpus_usable']} usable)"
+    return (f"toolbus bench {what}: load {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min) "
+            f"on {cpus}; {settings}")
+
+
+def _finish(report: dict[str, Any]) -> None:
+    report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def _fsync_text(nats_url: str | None, fsync: str) -> str:
+    return f"fsync {fsync} (embedded nats-server)" if not nats_url else \
+        f"server {nats_url} (fsync as configured there)"
+
+
+# --- measuring --------------------------------------------------------------------------
+
+
+async def measure(name: str, op: Op, *, n: int, concurrency: int) -> Stats:
     lat: list[float] = []
     counter = iter(range(n))
 
@@ -70,23 +199,44 @@ async def measure(name: str, op: Callable[[int], Awaitable[None]], *, n: int,
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - t0
-    lat.sort()
-    return Stats(name, n, concurrency, elapsed, statistics.median(lat) * 1e3,
-                 lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3)
+    return _stats(name, lat, seconds=time.perf_counter() - t0, concurrency=concurrency)
+
+
+async def _series(op: Op, n: int) -> list[float]:
+    """The latency of each of `n` sequential operations, in order."""
+    lat: list[float] = []
+    for i in range(n):
+        t = time.perf_counter()
+        await op(i)
+        lat.append(time.perf_counter() - t)
+    return lat
 
 
 @contextlib.asynccontextmanager
-async def _system(nats_url: str | None, *up_args: str):  # type: ignore[no-untyped-def]
+async def _server(nats_url: str | None, *, fsync: str) -> AsyncIterator[str]:
+    """The given server, or an embedded one in a temporary folder, stopped afterwards."""
+    if nats_url:
+        yield nats_url
+        return
+    with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
+        server = EmbeddedServer(Path(tmp), port=free_port(), fsync=fsync).start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@contextlib.asynccontextmanager
+async def _system(nats_url: str | None, *up_args: str,
+                  fsync: str = "batch") -> AsyncIterator[str]:
     """A toolbus to measure: the given one, or an embedded server plus `toolbus up` in a
     separate process (as users run it), torn down afterwards."""
     if nats_url:
         yield nats_url
         return
-    with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
-        server = EmbeddedServer(Path(tmp), port=free_port()).start()
+    async with _server(None, fsync=fsync) as url:
         proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
-            [sys.executable, "-m", "services.cli", "up", "--nats", server.url, *up_args],
+            [sys.executable, "-m", "services.cli", "up", "--nats", url, *up_args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -95,36 +245,53 @@ async def _system(nats_url: str | None, *up_args: str):  # type: ignore[no-untyp
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
             if not line.startswith("toolbus is up"):
                 raise RuntimeError(f"toolbus up did not start: {line!r}")
-            yield server.url
+            yield url
         finally:
             proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(15)
             if proc.poll() is None:
                 proc.kill()
-            server.stop()
 
 
-async def _baselines(bus: Bus, responder: Bus, *, n: int, concurrency: int) -> list[Stats]:
+@dataclass(frozen=True, slots=True)
+class Floors:
+    js: Stats  # raw JetStream publish+ack, one at a time
+    rr: Stats  # raw core request/reply, one at a time
+    js_par: Stats | None  # raw JetStream publish+ack, `concurrency` in flight
+
+
+async def _floors(bus: Bus, responder: Bus, *, n: int, concurrency: int | None) -> Floors:
     async with raw_ops(bus, responder, b'{"text":"hi"}') as (publish, request):
-        return [
-            await measure("raw JetStream publish+ack", publish, n=n, concurrency=1),
-            await measure("raw JetStream publish+ack", publish, n=n, concurrency=concurrency),
-            await measure("raw request/reply", request, n=n, concurrency=1),
-            await measure("raw request/reply", request, n=n, concurrency=concurrency),
-        ]
+        await measure("warm-up", publish, n=min(n, 200), concurrency=1)
+        js = await measure("raw JetStream publish+ack", publish, n=n, concurrency=1)
+        rr = await measure("raw request/reply", request, n=n, concurrency=1)
+        js_par = (await measure("raw JetStream publish+ack", publish, n=n,
+                                concurrency=concurrency) if concurrency else None)
+    return Floors(js, rr, js_par)
+
+
+def _floor_lines(f: Floors) -> list[Line]:
+    return [Line(f.js), Line(f.rr), *([Line(f.js_par)] if f.js_par else [])]
+
+
+# --- calls ------------------------------------------------------------------------------
 
 
 async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int = 32,
-                      json_out: bool = False) -> int:
-    async with _system(nats_url) as url:
+                      turns: int = 1000, fsync: str = "batch", json_out: bool = False) -> int:
+    """Explicit `built-in:echo` calls end to end (request published -> turn completed and
+    seen by the client), one at a time and `concurrency` in flight; then `turns` turns of
+    one session, to show a turn costs the same late in a long session as early."""
+    machine = _machine()
+    async with _system(nats_url, fsync=fsync) as url:
         bus = await connect(url, name="toolbus-bench")
         responder = await connect(url, name="toolbus-bench-responder")
         client = ToolbusClient(bus)
         run = os.urandom(3).hex()
         failures = 0
 
-        def echo_in(session: Callable[[int], str]) -> Callable[[int], Awaitable[None]]:
+        def echo_in(session: Callable[[int], str]) -> Op:
             async def op(i: int) -> None:
                 nonlocal failures
                 end = await client.call(session(i), [{"tool": "built-in:echo",
@@ -136,41 +303,63 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
 
         try:
             await measure("warm-up", echo_in(lambda i: f"bench-{run}-warm"), n=200, concurrency=4)
-            floor = await _baselines(bus, responder, n=n, concurrency=concurrency)
+            floors = await _floors(bus, responder, n=n, concurrency=concurrency)
             seq = await measure("toolbus call built-in:echo", echo_in(lambda i: f"bench-{run}-seq"),
                                 n=n, concurrency=1)
             par = await measure("toolbus call built-in:echo",
                                 echo_in(lambda i: f"bench-{run}-p{i % concurrency}"),
                                 n=n, concurrency=concurrency)
+            lat = await _series(echo_in(lambda i: f"bench-{run}-long"), turns)
         finally:
             await client.close()
             await responder.close()
             await bus.close()
 
-    rows = [*floor, seq, par]
-    js_seq, js_par, rr_seq, _ = floor
-    report = {
-        "rows": [_row_json(r) for r in rows],
+    window = max(1, min(50, turns // 2))
+    early = _stats(f"one session, turns 1..{window}", lat[:window],
+                   seconds=sum(lat[:window]), concurrency=1)
+    late = _stats(f"one session, turns {turns - window + 1}..{turns}", lat[-window:],
+                  seconds=sum(lat[-window:]), concurrency=1)
+    assert floors.js_par is not None
+    seq_line = Line(seq).beside(floors.js, *LATENCY).beside(floors.rr, *LATENCY)
+    par_line = Line(par).beside(floors.js, *RATE).beside(floors.js_par, *RATE)
+    late_line = Line(late).beside(early, *LATENCY)
+    lines = [*_floor_lines(floors), seq_line, par_line, Line(early), late_line]
+    report: dict[str, Any] = {
+        "machine": machine, "fsync": fsync if not nats_url else None,
+        "rows": [_line_json(x) for x in lines],
         "ratios": {
-            "seq_p50_vs_js_publish": round(seq.p50_ms / js_seq.p50_ms, 2),
-            "seq_p50_vs_request_reply": round(seq.p50_ms / rr_seq.p50_ms, 2),
-            "throughput_vs_js_publish": round(par.per_s / js_par.per_s, 3),
+            "seq_p50_vs_js_publish": round(seq_line.ratio("p50", floors.js), 2),
+            "seq_p99_vs_js_publish": round(seq_line.ratio("p99", floors.js), 2),
+            "seq_p50_vs_request_reply": round(seq_line.ratio("p50", floors.rr), 2),
+            "seq_p99_vs_request_reply": round(seq_line.ratio("p99", floors.rr), 2),
+            "throughput_vs_js_publish_seq": round(par_line.ratio("per_s", floors.js), 3),
+            "throughput_vs_js_publish": round(par_line.ratio("per_s", floors.js_par), 3),
+            "late_turns_p50_vs_early": round(late_line.ratio("p50", early), 2),
         },
         "failures": failures,
     }
+    _finish(report)
     if json_out:
         print(msgspec.json.encode(report).decode())
-    else:
-        _print_rows(rows)
-        ratios = report["ratios"]
-        assert isinstance(ratios, dict)
-        print(f"\nsequential call p50 = {ratios['seq_p50_vs_js_publish']}x one raw JetStream "
-              f"publish+ack, {ratios['seq_p50_vs_request_reply']}x one raw request/reply")
-        print(f"calls/s with {concurrency} in flight = "
-              f"{ratios['throughput_vs_js_publish']:.1%} of raw publishes/s")
-        print(f"targets: sequential p50 <= 2 ms ({'met' if seq.p50_ms <= 2 else 'MISSED'}), "
-              f">= 1000 calls/s with {concurrency} in flight "
-              f"({'met' if par.per_s >= 1000 else 'MISSED'}); failures: {failures}")
+        return 0 if failures == 0 else 1
+    ratios = report["ratios"]
+    print(_header("calls", machine, f"{_fsync_text(nats_url, fsync)}; n {n}, "
+                                    f"{concurrency} in flight, {turns} turns in one session"))
+    _print_lines(lines)
+    print(f"\nsequential call: p50 {seq.p50_ms:.2f} ms = {ratios['seq_p50_vs_js_publish']}x "
+          f"one raw JetStream publish+ack, {ratios['seq_p50_vs_request_reply']}x one raw "
+          f"request/reply; p99 {seq.p99_ms:.2f} ms = {ratios['seq_p99_vs_js_publish']}x the "
+          f"raw publish+ack p50")
+    print(f"calls/s with {concurrency} in flight = {ratios['throughput_vs_js_publish_seq']:.1%} "
+          f"of raw sequential publishes/s ({ratios['throughput_vs_js_publish']:.1%} of raw "
+          f"publishes/s with {concurrency} in flight)")
+    print(f"turn p50 late in one session / early = {ratios['late_turns_p50_vs_early']}x "
+          f"({late.name[13:]} vs {early.name[13:]}; flat is 1.0x)")
+    print(f"targets: sequential p50 <= 2 ms ({'met' if seq.p50_ms <= 2 else 'MISSED'}), "
+          f">= 1000 calls/s with {concurrency} in flight "
+          f"({'met' if par.per_s >= 1000 else 'MISSED'}); failures: {failures}; "
+          f"load at end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
     return 0 if failures == 0 else 1
 
 
@@ -178,7 +367,7 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
 
 
 @contextlib.asynccontextmanager
-async def _sample_mcp_server():  # type: ignore[no-untyped-def]
+async def _sample_mcp_server() -> AsyncIterator[int]:
     port = free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
         [sys.executable, "-m", "services.sample_mcp", "--port", str(port)],
@@ -194,11 +383,14 @@ async def _sample_mcp_server():  # type: ignore[no-untyped-def]
             proc.kill()
 
 
-async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = False) -> int:
+async def bench_mcp(*, n: int = 1000, concurrency: int = 16, fsync: str = "batch",
+                    json_out: bool = False) -> int:
     """A tool call through toolbus (request -> session -> connector -> MCP server -> events)
-    next to a direct `mcp.Client.call_tool` on the same server, in the same run."""
+    beside a direct `mcp.Client.call_tool` on the same server, and the raw bus floors, in
+    the same run."""
     import mcp  # only this benchmark needs the client directly
 
+    machine = _machine()
     args = {"car_id": "c1"}
     async with _sample_mcp_server() as port, contextlib.AsyncExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="toolbus-bench-mcp-"))
@@ -206,11 +398,14 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = Fa
         manifest.write_text(  # noqa: ASYNC240 - once, before anything is measured
             f"tools: {{builtins: []}}\nmcps:\n  - id: bench\n"
             f"    hostname: http://127.0.0.1\n    port: {port}\n")
-        url = await stack.enter_async_context(_system(None, "--manifest", str(manifest)))
+        url = await stack.enter_async_context(
+            _system(None, "--manifest", str(manifest), fsync=fsync))
         direct = await stack.enter_async_context(
             mcp.Client(f"http://127.0.0.1:{port}/mcp", cache=None))
         bus = await connect(url, name="toolbus-bench")
         stack.push_async_callback(bus.close)
+        responder = await connect(url, name="toolbus-bench-responder")
+        stack.push_async_callback(responder.close)
         client = ToolbusClient(bus)
         stack.push_async_callback(client.close)
         run = os.urandom(3).hex()
@@ -221,7 +416,7 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = Fa
             result = await direct.call_tool("describe_car", args)
             failures += result.is_error
 
-        def toolbus_op(session: Callable[[int], str]) -> Callable[[int], Awaitable[None]]:
+        def toolbus_op(session: Callable[[int], str]) -> Op:
             async def op(i: int) -> None:
                 nonlocal failures
                 end = await client.call(session(i), [{"tool": "bench:describe_car",
@@ -231,33 +426,203 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, json_out: bool = Fa
 
         await measure("warm-up", direct_op, n=100, concurrency=4)
         await measure("warm-up", toolbus_op(lambda i: f"mcp-{run}-w"), n=100, concurrency=4)
-        rows = [
-            await measure("direct mcp.Client.call_tool", direct_op, n=n, concurrency=1),
-            await measure("toolbus call (MCP tool)", toolbus_op(lambda i: f"mcp-{run}-s"),
-                          n=n, concurrency=1),
-            await measure("direct mcp.Client.call_tool", direct_op, n=n,
-                          concurrency=concurrency),
-            await measure("toolbus call (MCP tool)",
-                          toolbus_op(lambda i: f"mcp-{run}-p{i % concurrency}"), n=n,
-                          concurrency=concurrency),
-        ]
-    d_seq, t_seq, d_par, t_par = rows
-    report = {
-        "rows": [_row_json(r) for r in rows],
-        "overhead_p50_ms": round(t_seq.p50_ms - d_seq.p50_ms, 3),
-        "ratio_p50": round(t_seq.p50_ms / d_seq.p50_ms, 2),
-        "throughput_ratio": round(t_par.per_s / d_par.per_s, 3),
+        floors = await _floors(bus, responder, n=n, concurrency=None)
+        d_seq = await measure("direct mcp.Client.call_tool", direct_op, n=n, concurrency=1)
+        t_seq = await measure("toolbus call (MCP tool)", toolbus_op(lambda i: f"mcp-{run}-s"),
+                              n=n, concurrency=1)
+        d_par = await measure("direct mcp.Client.call_tool", direct_op, n=n,
+                              concurrency=concurrency)
+        t_par = await measure("toolbus call (MCP tool)",
+                              toolbus_op(lambda i: f"mcp-{run}-p{i % concurrency}"), n=n,
+                              concurrency=concurrency)
+    t_seq_line = Line(t_seq).beside(d_seq, *LATENCY).beside(floors.js, *LATENCY)
+    t_par_line = Line(t_par).beside(d_par, *RATE).beside(floors.js, *RATE)
+    lines = [*_floor_lines(floors), Line(d_seq), t_seq_line, Line(d_par), t_par_line]
+    overhead = t_seq.p50_ms - d_seq.p50_ms
+    report: dict[str, Any] = {
+        "machine": machine, "fsync": fsync,
+        "rows": [_line_json(x) for x in lines],
+        "overhead_p50_ms": round(overhead, 3),
+        "overhead_p50_vs_js_publish": round(overhead / floors.js.p50_ms, 2),
+        "ratio_p50": round(t_seq_line.ratio("p50", d_seq), 2),
+        "ratio_p99": round(t_seq_line.ratio("p99", d_seq), 2),
+        "throughput_ratio": round(t_par_line.ratio("per_s", d_par), 3),
         "failures": failures,
     }
+    _finish(report)
     if json_out:
         print(msgspec.json.encode(report).decode())
-    else:
-        _print_rows(rows)
-        print(f"\ntoolbus adds {report['overhead_p50_ms']} ms to a sequential MCP call at p50 "
-              f"({report['ratio_p50']}x the direct call); with {concurrency} in flight it "
-              f"runs {report['throughput_ratio']:.0%} of the direct calls/s. "
-              f"Failures: {failures}")
+        return 0 if failures == 0 else 1
+    print(_header("mcp", machine, f"{_fsync_text(None, fsync)}; n {n}, "
+                                  f"{concurrency} in flight"))
+    _print_lines(lines)
+    print(f"\ntoolbus adds {report['overhead_p50_ms']} ms to a sequential MCP call at p50 "
+          f"({report['overhead_p50_vs_js_publish']}x one raw JetStream publish+ack); the call "
+          f"costs {report['ratio_p50']}x the direct one at p50, its p99 "
+          f"{report['ratio_p99']}x the direct p50. With {concurrency} in flight it runs "
+          f"{report['throughput_ratio']:.0%} of the direct calls/s. Failures: {failures}; "
+          f"load at end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
     return 0 if failures == 0 else 1
+
+
+# --- replay -----------------------------------------------------------------------------
+
+EVENTS_PER_TURN = 7  # one explicit echo call: the events a real turn stores
+
+
+def _echo_turn(sid: str, i: int, at: float) -> list[Append]:
+    """The events of turn `i` of an explicit `built-in:echo` call, as the actors write them."""
+    turn, request = f"r{i}", f"r{i}"
+    call = call_id_for(turn, 0)
+    tool, arguments = "built-in:echo", {"text": "hi", "i": i}
+    route = pool_route("default", "built-in")
+    common: dict[str, Any] = {"session_id": sid, "turn_id": turn}
+    events: list[tuple[Event, str]] = [
+        (TurnRequested(**common, at=at, actor="session", request_id=request, call_ids=[call]),
+         turn_requested_id(sid, turn)),
+        (CallRequested(**common, at=at, actor="session", call_id=call, tool=tool,
+                       arguments=arguments), call_requested_id(sid, call)),
+        (CallApproved(**common, at=at, actor="approval", call_id=call, tool=tool,
+                      rule="auto:read_only", arguments=arguments, route=route,
+                      timeout_ms=5000), policy_decision_id(sid, call)),
+        (CallDispatched(**common, at=at, actor="session", call_id=call, tool=tool,
+                        arguments=arguments, route=route, timeout_ms=5000),
+         dispatch_id(sid, call)),
+        (CallStarted(**common, at=at, actor="executor", call_id=call, executor="bench-1"),
+         call_started_id(sid, call, 1)),
+        (CallSucceeded(**common, at=at, actor="executor", call_id=call, result=arguments,
+                       executor="bench-1", duration_ms=0.02), call_terminal_id(sid, call)),
+        (TurnCompleted(**common, at=at, actor="session", request_id=request, ok=True,
+                       outcomes=[CallOutcome(call_id=call, tool=tool, status="succeeded")]),
+         turn_ended_id(sid, turn)),
+    ]
+    return [Append(event, msg_id, route if isinstance(event, CallDispatched) else None)
+            for event, msg_id in events]
+
+
+async def _store_session(bus: Bus, sid: str, events: int) -> None:
+    """`events` events of one session: whole echo turns, the last one maybe in flight."""
+    log = EventLog(bus)
+    t0 = time.time()
+    items = [a for i in range(-(-events // EVENTS_PER_TURN))
+             for a in _echo_turn(sid, i, t0 + i * 0.002)][:events]
+    for start in range(0, len(items), 500):  # pipelined, acks awaited per batch
+        await log.append_decision(items[start:start + 500], expect_last=None)
+
+
+def _toolbus_command() -> list[str]:
+    """The `toolbus` console script next to this interpreter, as users run it."""
+    script = shutil.which("toolbus", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "services.cli"]
+
+
+def _wall_s(cmd: list[str], runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=True,
+                       timeout=120)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {"best_ms": round(min(values) * 1e3, 2),
+            "median_ms": round(statistics.median(values) * 1e3, 2)}
+
+
+async def bench_replay(nats_url: str | None, *, events: int = 10_000, runs: int = 7,
+                       cli_runs: int = 5, fsync: str = "batch", json_out: bool = False) -> int:
+    """Replay of one long session: reading and folding it in process (the path of `toolbus
+    replay`), then `toolbus replay SID --json` as a process, and the CLI's start-up."""
+    machine = _machine()
+    sid = f"bench-replay-{os.urandom(3).hex()}"
+    read: list[float] = []
+    folded: list[float] = []
+    total: list[float] = []
+    decode: list[float] = []
+    async with _server(nats_url, fsync=fsync) as url:
+        bus = await connect(url, name="toolbus-bench")
+        try:
+            await provision(bus)
+            await _store_session(bus, sid, events)
+            log = EventLog(bus)
+            for _ in range(runs + 1):  # the first run warms up and is not counted
+                t0 = time.perf_counter()
+                stored = await log.read_session(sid)
+                t1 = time.perf_counter()
+                state = fold(sid, ((s.seq, s.event) for s in stored))
+                t2 = time.perf_counter()
+                read.append(t1 - t0)
+                folded.append(t2 - t1)
+                total.append(t2 - t0)
+                t = time.perf_counter()
+                for s in stored:
+                    decode_event(s.data)
+                decode.append(time.perf_counter() - t)
+        finally:
+            await bus.close()
+        if len(stored) != events or len(state.turns) != -(-events // EVENTS_PER_TURN):
+            raise RuntimeError(f"replayed {len(stored)} events, {len(state.turns)} turns; "
+                               f"stored {events}")
+        cli = [*_toolbus_command(), "replay", sid, "--json", "--nats", url]
+        replay_cli = await asyncio.to_thread(_wall_s, cli, cli_runs)
+    import_cli = await asyncio.to_thread(
+        _wall_s, [sys.executable, "-c", "import services.cli"], cli_runs)
+    bare = await asyncio.to_thread(_wall_s, [sys.executable, "-c", "pass"], cli_runs)
+    read, folded, total, decode = read[1:], folded[1:], total[1:], decode[1:]
+
+    figures: dict[str, dict[str, Any]] = {
+        "in_process": {**_ms(total), "target_ms": 150.0, "floor": "decode",
+                       "ratio": round(min(total) / min(decode), 2)},
+        "read": _ms(read),
+        "fold": _ms(folded),
+        "decode": _ms(decode),
+        "cli_replay": {**_ms(replay_cli), "floor": "python_start",
+                       "ratio": round(statistics.median(replay_cli) / statistics.median(bare),
+                                      2)},
+        "cli_import": {**_ms(import_cli), "target_ms": 300.0, "floor": "python_start",
+                       "ratio": round(statistics.median(import_cli) / statistics.median(bare),
+                                      2)},
+        "python_start": _ms(bare),
+    }
+    report: dict[str, Any] = {"machine": machine, "fsync": fsync if not nats_url else None,
+                              "events": events, "runs": runs, "cli_runs": cli_runs,
+                              "figures": figures}
+    _finish(report)
+    if json_out:
+        print(msgspec.json.encode(report).decode())
+        return 0
+    print(_header("replay", machine, f"{_fsync_text(nats_url, fsync)}; one session of "
+                                     f"{events} events, best and median of {runs} runs "
+                                     f"in process, median of {cli_runs} processes"))
+    rows = [
+        ("read + fold, in process", "in_process", f"msgspec decode of the {events} events"),
+        ("  of which read + decode", "read", None),
+        ("  of which fold", "fold", None),
+        ("msgspec decode alone", "decode", None),
+        ("toolbus replay SID --json", "cli_replay", "python -c pass"),
+        ('python -c "import services.cli"', "cli_import", "python -c pass"),
+        ("python -c pass", "python_start", None),
+    ]
+    print(f"{'measure':<34} {'best ms':>8} {'median ms':>10}  {'floor':<50} {'ratio':>7}  "
+          f"target")
+    for label, key, floor_name in rows:
+        f = figures[key]
+        if floor_name is None:
+            print(f"{label:<34} {f['best_ms']:>8.1f} {f['median_ms']:>10.1f}  -")
+            continue
+        floor = figures[f["floor"]]
+        which = "best_ms" if key == "in_process" else "median_ms"
+        floor_text = f"{floor_name} ({which[:-3]} {floor[which]:.1f} ms)"
+        target = ""
+        if "target_ms" in f:
+            ok = f[which] <= f["target_ms"]
+            target = f"<= {f['target_ms']:.0f} ms ({'met' if ok else 'MISSED'})"
+        print(f"{label:<34} {f['best_ms']:>8.1f} {f['median_ms']:>10.1f}  {floor_text:<50} "
+              f"{f['ratio']:>6.2f}x  {target}")
+    print(f"load at end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
+    return 0
 
 
 # --- validation -------------------------------------------------------------------------
@@ -315,7 +680,9 @@ def bench_validation(*, n: int = 20_000, json_out: bool = False) -> int:
     assert not problems, problems
     _, problems = validator.check(VALIDATION_INVALID)
     assert len(problems) == 5, problems
-    report = {
+    machine = _machine()
+    report: dict[str, Any] = {
+        "machine": machine,
         "schema_fields": len(VALIDATION_SCHEMA["properties"]),
         "json_decode_us": _per_call_us(lambda: decode(raw), n),
         "toolbus_valid_us": _per_call_us(lambda: validator.check(valid), n),
@@ -326,9 +693,11 @@ def bench_validation(*, n: int = 20_000, json_out: bool = False) -> int:
         "target_us": 20.0,
     }
     report["ratio_to_json_decode"] = report["toolbus_valid_us"] / report["json_decode_us"]
+    _finish(report)
     if json_out:
         print(msgspec.json.encode(report).decode())
         return 0
+    print(_header("validation", machine, "in process"))
     print(f"validation of a {report['schema_fields']}-field schema, best of 5 x {n} calls:")
     print(f"  baseline: msgspec JSON decode of the arguments  "
           f"{report['json_decode_us']:8.2f} µs")

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from bus.approvals import ApprovalStore
-from bus.artifacts import ArtifactStore
-from bus.catalog import Catalog
-from bus.client import ToolbusClient
+# Only what `toolbus replay` and the parser need is imported at the top: the other
+# commands import their modules inside, so a short command starts fast.
 from bus.connection import Bus, connect
 from bus.eventlog import EventLog
 from bus.subjects import approval_subject
@@ -27,18 +24,33 @@ from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
 from schemas.errors import RpcError, ToolbusError
 from schemas.events import RequestRejected, TurnCompleted, TurnFailed, encode_event, summarize
 from schemas.ids import check_session_id, check_tool_name
-from schemas.providers import compose_schema, export
 from schemas.state import SessionState, encode_state, fold
-from schemas.tools import ToolSpec, to_tool_schema
-from services.config import ActorSettings, default_data_dir, default_nats_url
+from services.config import (
+    ActorSettings,
+    default_data_dir,
+    default_nats_url,
+    default_workers,
+    load_manifest,
+)
+from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE
+from services.process import run as _run
 
-EXIT_OK, EXIT_CALL_FAILED, EXIT_USAGE, EXIT_BUS = 0, 1, 2, 3
+if TYPE_CHECKING:
+    from schemas.tools import ToolSpec
+
 _json = msgspec.json.Encoder()
 
 
 def _add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", default=None, metavar="URL",
                    help="NATS server URL (default: $NATS_URL, then nats://127.0.0.1:4222)")
+
+
+def _add_fsync(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fsync", choices=["batch", "always"], default="batch",
+                   help="embedded server: 'batch' (default) fsyncs periodically, so a stored "
+                        "event survives a crash of the process but not of the machine; "
+                        "'always' fsyncs every event before acknowledging it (slower)")
 
 
 def _add_actor_options(p: argparse.ArgumentParser) -> None:
@@ -68,10 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded server data folder (default: the user data dir)")
     p.add_argument("--http-port", type=int, default=None, metavar="PORT",
                    help="serve the HTTP gateway on 127.0.0.1:PORT (default: off)")
+    p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                   help="processes: this one runs the session and approval actors, N-1 "
+                        "workers run the executors and MCP connectors (default: one per "
+                        f"core, here {default_workers()}; 1 runs everything in one process)")
+    _add_fsync(p)
     _add_actor_options(p)
 
     p = sub.add_parser("actor", help="run one actor kind alone, to scale it out")
-    p.add_argument("kind", choices=["session", "approval", "executor", "mcp"])
+    p.add_argument("kind", choices=["session", "approval", "executor", "mcp", "worker"],
+                   help="worker: the executors of every pool and every MCP connector, what "
+                        "each worker process of `toolbus up --workers N` runs")
+    # Set by `toolbus up --workers N`: this process stops when that one dies.
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--only", action="append", default=[], metavar="ID",
                    help="mcp: serve only this MCP server of the manifest (repeatable)")
     _add_nats(p)
@@ -144,11 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", default=None, help="who decides (default: $USER)")
     _add_nats(p)
 
-    p = sub.add_parser("bench", help="benchmarks against a raw baseline")
-    p.add_argument("what", choices=["calls", "validation", "mcp"])
+    p = sub.add_parser("bench", help="benchmarks beside their floor, measured in the same run")
+    p.add_argument("what", choices=["calls", "validation", "mcp", "replay"])
     p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
     p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
+    p.add_argument("--turns", type=int, default=1000,
+                   help="calls: turns of the one long session (default 1000)")
+    p.add_argument("--events", type=int, default=10_000,
+                   help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
+    _add_fsync(p)
     _add_nats(p)
     return parser
 
@@ -165,11 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "up":
                 from services.runtime import up
                 return up(nats_url=args.nats or None, data_dir=args.data_dir or default_data_dir(),
-                          port=args.port, settings=_actor_settings(args))
+                          port=args.port, settings=_actor_settings(args), fsync=args.fsync,
+                          workers=args.workers)
             case "actor":
-                from services.runtime import run_actors
-                return _run(run_actors(url, [args.kind], _actor_settings(args),
-                                              banner=f"toolbus {args.kind} actor on {url}"))
+                from services.runtime import run_actor
+                return run_actor(url, args.kind, _actor_settings(args),
+                                 parent_pid=args.parent_pid)
             case "call":
                 return _run(_call(url, args))
             case "replay":
@@ -187,14 +214,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "bench" if args.what == "mcp":
                 from services.bench import bench_mcp
                 return _run(bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
-                                      json_out=args.json))
+                                      fsync=args.fsync, json_out=args.json))
             case "bench" if args.what == "validation":
                 from services.bench import bench_validation
                 return bench_validation(json_out=args.json)
+            case "bench" if args.what == "replay":
+                from services.bench import bench_replay
+                return _run(bench_replay(args.nats, events=args.events, fsync=args.fsync,
+                                         json_out=args.json))
             case "bench":
                 from services.bench import bench_calls
                 return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
-                                               json_out=args.json))
+                                        turns=args.turns, fsync=args.fsync,
+                                        json_out=args.json))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
@@ -203,17 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-def _run(coro: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop where it exists: it roughly halves the cost of each bus hop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def _actor_settings(args: argparse.Namespace) -> ActorSettings:
-    return ActorSettings(tools=tuple(args.tools), manifest=args.manifest, pool=args.pool,
+    """The settings of `up` and `actor`; the manifest is read here, once per process."""
+    manifest = load_manifest(args.manifest) if args.manifest is not None else None
+    return ActorSettings(tools=tuple(args.tools), manifest=manifest,
+                         manifest_path=args.manifest, pool=args.pool,
                          only=tuple(getattr(args, "only", ())),
                          http_port=getattr(args, "http_port", None),
                          instance=args.instance,
@@ -221,6 +247,9 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
 
 
 async def _call(url: str, args: argparse.Namespace) -> int:
+    from bus.artifacts import ArtifactStore
+    from bus.client import ToolbusClient
+
     try:
         arguments: Any = msgspec.json.decode(args.arguments)
     except msgspec.DecodeError as exc:
@@ -317,11 +346,15 @@ async def _references(bus: Bus, state: SessionState, *, full: bool) -> None:
         print(f"toolbus: {refs} result(s) are stored as references to the object store "
               "(result_ref); --full resolves them", file=sys.stderr)
         return
+    from bus.client import ToolbusClient
+
     await ToolbusClient(bus).resolve_references(state)
     print(f"toolbus: resolved {refs} result(s) from the object store", file=sys.stderr)
 
 
 async def _state(url: str, args: argparse.Namespace) -> int:
+    from bus.client import ToolbusClient
+
     bus = await connect(url, name="toolbus-state")
     try:
         client = ToolbusClient(bus)
@@ -342,6 +375,9 @@ async def _state(url: str, args: argparse.Namespace) -> int:
 
 
 async def _tools(url: str, args: argparse.Namespace) -> int:
+    from bus.catalog import Catalog
+    from schemas.tools import to_tool_schema
+
     if args.action in ("show", "remove") and not args.name:
         print(f"toolbus: tools {args.action} needs a NAME, e.g. built-in:echo", file=sys.stderr)
         return EXIT_USAGE
@@ -383,6 +419,8 @@ async def _tools(url: str, args: argparse.Namespace) -> int:
 
 
 def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
+    from schemas.providers import compose_schema, export
+
     if args.format == "composed":
         output = None
         if args.output_schema is not None:
@@ -405,6 +443,8 @@ def _print_json(value: Any) -> None:
 
 
 async def _executors(url: str) -> int:
+    from bus.catalog import Catalog
+
     bus = await connect(url, name="toolbus-executors")
     try:
         infos = await Catalog(bus).load_executors()
@@ -420,6 +460,8 @@ async def _executors(url: str) -> int:
 
 
 async def _approvals(url: str, args: argparse.Namespace) -> int:
+    from bus.approvals import ApprovalStore
+
     bus = await connect(url, name="toolbus-approvals")
     try:
         pending = await ApprovalStore(bus).load()
@@ -445,6 +487,8 @@ async def _approvals(url: str, args: argparse.Namespace) -> int:
 
 
 async def _decide(url: str, args: argparse.Namespace) -> int:
+    from bus.approvals import ApprovalStore
+
     by = args.by or os.environ.get("USER") or "cli"
     body: dict[str, Any] = {"decision": "approve" if args.command == "approve" else "deny",
                             "by": by}

@@ -23,10 +23,19 @@ def default_data_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_data_dir("toolbus"))
 
 
+def default_workers() -> int:
+    """`toolbus up --workers`: one process per core (the parent's session and approval
+    actors, and a worker with the executors on each other core)."""
+    return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True, slots=True)
 class ActorSettings:
     tools: tuple[str, ...] = ()
-    manifest: Path | None = None
+    # The manifest, read and validated once by whoever builds the settings (the CLI), and
+    # the file it came from: worker processes are given the path and read it themselves.
+    manifest: Manifest | None = None
+    manifest_path: Path | None = None
     only: tuple[str, ...] = ()  # MCP server ids this connector serves (default: all)
     http_port: int | None = None  # the HTTP gateway (services/gateway.py), off if None
     pool: str = "default"

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,10 +23,13 @@ from bus.catalog import Catalog
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, WorkerError
 from schemas.manifest import McpServerConfig, PolicyConfig
 from schemas.policy import Policy
-from services.config import ActorSettings, load_manifest, subprocess_path, tool_secrets
+from services.config import ActorSettings, subprocess_path, tool_secrets
+from services.process import EXIT_BUS, die_with_parent, parent_is, run
+from services.telemetry import install_tracing, shutdown_tracing
+from services.workers import WORKER_READY, Workers
 
 log = logging.getLogger("toolbus")
 
@@ -43,7 +45,7 @@ def mcp_servers(settings: ActorSettings) -> list[McpServerConfig]:
     """The manifest's MCP servers, narrowed to `--only` ids (each must exist)."""
     if settings.manifest is None:
         return []
-    servers = load_manifest(settings.manifest).mcps
+    servers = settings.manifest.mcps
     if not settings.only:
         return list(servers)
     known = {s.id for s in servers}
@@ -61,9 +63,8 @@ def collect_tools(settings: ActorSettings) -> dict[str, list[LocalTool]]:
     extra = [t for target in settings.tools for t in load_tools(target)]
     if settings.manifest is None:
         return {settings.pool: [*BUILTINS, *extra]}
-    manifest = load_manifest(settings.manifest)
     by_pool: dict[str, list[LocalTool]] = {}
-    for t in manifest_tools(manifest, path_env=subprocess_path(), secrets=tool_secrets()):
+    for t in manifest_tools(settings.manifest, path_env=subprocess_path(), secrets=tool_secrets()):
         by_pool.setdefault(t.spec.pools[0], []).append(t)
     by_pool.setdefault(settings.pool, []).extend(extra)
     return by_pool
@@ -135,7 +136,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
 
 def manifest_policy(settings: ActorSettings) -> tuple[Policy, int]:
     """The manifest's policy (the defaults without one) and its cap on calls per turn."""
-    config = load_manifest(settings.manifest).policy if settings.manifest else PolicyConfig()
+    config = settings.manifest.policy if settings.manifest else PolicyConfig()
     return config.to_policy(), config.max_calls_per_turn
 
 
@@ -175,7 +176,10 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 
 async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
                      *, server: EmbeddedServer | None = None,
+                     workers: Workers | None = None,
                      banner: str | Callable[[list[Actor]], str] | None = None) -> int:
+    # Spans are exported only when the OTEL_* variables ask for it (services/telemetry.py).
+    tracing = install_tracing(f"toolbus-{'+'.join(kinds)}")
     bus = await connect(url, name=f"toolbus-{'+'.join(kinds)}")
     stop = asyncio.Event()
     _stop_on_signals(stop)
@@ -184,6 +188,9 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
     gateway: _Gateway | None = None
     try:
         await provision(bus)
+        if workers is not None:
+            # Their executors register the tools before the session actor admits calls.
+            await workers.start()
         actors = await start_actors(bus, kinds, settings)
         if settings.http_port is not None:
             gateway = await start_gateway(bus, settings.http_port)
@@ -200,11 +207,20 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
                           "resume: every stored event is kept.", file=sys.stderr, flush=True)
                     exit_code = 1
                     break
+            failure = workers.failure() if workers is not None else None
+            if failure is not None:
+                print(f"toolbus: {failure}; stopping.", file=sys.stderr, flush=True)
+                exit_code = 1
+                break
     finally:
         if gateway is not None:
             await gateway.stop()
         await stop_actors(actors)
+        if workers is not None:  # after the session actor: it dispatches no more calls
+            await workers.stop()
         await bus.close()
+        if tracing:
+            await asyncio.to_thread(shutdown_tracing)
     return exit_code
 
 
@@ -237,50 +253,103 @@ async def start_gateway(bus: Bus, port: int) -> _Gateway:
     return _Gateway(server, task)
 
 
-def _run(coro: Coroutine[Any, Any, int]) -> int:
-    from services.cli import _run as run
-
-    return run(coro)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # Linux: the server gets SIGTERM if toolbus dies without cleaning up (e.g. SIGKILL).
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings) -> int:
-    kinds = ["executors", "mcp", "approval", "session"]
-    if settings.manifest is not None:
-        load_manifest(settings.manifest)  # a bad manifest fails before anything starts
-    if nats_url:
-        banner = _banner(nats_url, None, None, settings)
-        return _run(run_actors(nats_url, kinds, settings, banner=banner))
-    server = EmbeddedServer(data_dir, port=port)
-    server.preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    server.start()
+def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings,
+       fsync: str = "batch", workers: int = 1) -> int:
+    """Everything in one process (`workers=1`), or the session and approval actors here
+    and the executors and MCP connectors in `workers - 1` child processes."""
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: give 1 (everything in this process) or more")
+    # The manifest was read and checked when the settings were built: a bad one has
+    # already failed, before anything started.
+    kinds = ["executors", "mcp", "approval", "session"] if workers == 1 else \
+        ["approval", "session"]
+    server: EmbeddedServer | None = None
+    url = nats_url
+    if not url:
+        server = EmbeddedServer(data_dir, port=port, fsync=fsync)
+        server.preexec = die_with_parent  # it gets SIGTERM if toolbus dies without cleaning up
+        server.start()
+        url = server.url
     try:
-        assert server.process is not None
-        banner = _banner(server.url, data_dir, server.process.pid, settings)
-        return _run(run_actors(server.url, kinds, settings, server=server, banner=banner))
+        children = None
+        if workers > 1:
+            children = Workers(workers - 1, url, settings, parent_pid=os.getpid(),
+                               ready_timeout_s=_ready_timeout_s(settings),
+                               verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
+        pid = server.process.pid if server is not None and server.process else None
+        banner = _banner(url, data_dir if pid else None, pid, settings, workers=children)
+        try:
+            return run(run_actors(url, kinds, settings, server=server, workers=children,
+                                  banner=banner))
+        except WorkerError as exc:
+            print(f"toolbus: {exc}", file=sys.stderr, flush=True)
+            code = exc.code if exc.code is not None and 0 < exc.code <= EXIT_BUS else EXIT_BUS
+            return code
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
-def _banner(url: str, data_dir: Path | None, pid: int | None,
-            settings: ActorSettings) -> Callable[[list[Actor]], str]:
+def run_actor(url: str, kind: str, settings: ActorSettings, *,
+              parent_pid: int | None = None) -> int:
+    """`toolbus actor KIND`: one actor kind alone, or `worker`: every executor pool and
+    MCP connector, as each child of `toolbus up --workers N` runs them."""
+    if parent_pid is not None:
+        die_with_parent()
+        if not parent_is(parent_pid):  # it died before the line above took effect
+            print(f"toolbus: the parent process {parent_pid} is gone; not starting",
+                  file=sys.stderr, flush=True)
+            return EXIT_BUS
+    if kind == "worker":
+        return run(run_actors(url, ["executors", "mcp"], settings, banner=worker_banner(url)))
+    return run(run_actors(url, [kind], settings, banner=f"toolbus {kind} actor on {url}"))
+
+
+def _ready_timeout_s(settings: ActorSettings) -> float:
+    """How long a worker may take to be ready: start-up, plus its slowest MCP server's
+    connect timeout (they connect at once)."""
+    servers = settings.manifest.mcps if settings.manifest is not None else []
+    return 60.0 + max((s.connect_timeout_ms / 1000 for s in servers), default=0.0)
+
+
+def actor_lines(actors: Sequence[Actor]) -> list[str]:
+    """What the executors and MCP connectors among `actors` serve, a line each."""
+    lines: list[str] = []
+    for a in actors:
+        if isinstance(a, Executor):
+            lines.append(f"  executor {a.instance} (pool {a.pool}): "
+                         f"{', '.join(sorted(a.tools))}")
+        elif isinstance(a, McpConnector):
+            for sid, link in a.links.items():
+                names = sorted(n for n in a.tools if n.startswith(f"{sid}:"))
+                lines.append(f"  mcp {sid} ({link.cfg.describe()}): {', '.join(names)}")
+    return lines
+
+
+def worker_banner(url: str) -> Callable[[list[Actor]], str]:
+    """`toolbus actor worker`: what it serves, then the line its parent waits for."""
+
+    def text(actors: list[Actor]) -> str:
+        return "\n".join([*actor_lines(actors),
+                          f"{WORKER_READY}: pid {os.getpid()} on {url}"])
+
+    return text
+
+
+def _banner(url: str, data_dir: Path | None, pid: int | None, settings: ActorSettings,
+            *, workers: Workers | None = None) -> Callable[[list[Actor]], str]:
     where = f"embedded nats-server (pid {pid}) on {url}, data in {data_dir}" if pid else url
 
     def text(actors: list[Actor]) -> str:
-        lines = [f"toolbus is up: {where}", "  actors: session, approval"]
-        for a in actors:
-            if isinstance(a, Executor):
-                lines.append(f"  executor {a.instance} (pool {a.pool}): "
-                             f"{', '.join(sorted(a.tools))}")
-            elif isinstance(a, McpConnector):
-                for sid, link in a.links.items():
-                    names = sorted(n for n in a.tools if n.startswith(f"{sid}:"))
-                    lines.append(f"  mcp {sid} ({link.cfg.describe()}): {', '.join(names)}")
+        lines = [f"toolbus is up: {where}"]
+        if workers is None:
+            lines += ["  actors: session, approval", *actor_lines(actors)]
+        else:
+            here = "session, approval" + (", HTTP gateway" if settings.http_port else "")
+            lines.append(f"  process {os.getpid()}: {here}")
+            for w in workers.workers:
+                lines.append(f"  process {w.pid} (worker {w.index}):")
+                lines += [f"  {line}" for line in w.lines]
         lines.append("  try:    toolbus call built-in:echo '{\"text\": \"hi\"}' --session demo"
                      + (f" --nats {url}" if url != "nats://127.0.0.1:4222" else ""))
         if settings.http_port is not None:

@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from bus.server import free_port
+from schemas.manifest import McpServerConfig
 from services.sample_mcp import wait_listening
 from tests.conftest import REPO
 
@@ -51,3 +53,14 @@ def stdio_command(log: Path | None = None) -> dict[str, object]:
     if log is not None:
         args += ["--log", str(log)]
     return {"transport": "stdio", "command": sys.executable, "args": args, "cwd": str(REPO)}
+
+
+def mcp_config(id_: str, **kw: Any) -> McpServerConfig:
+    """A manifest `mcps:` entry with test-sized timeouts."""
+    return McpServerConfig.model_validate({"id": id_, "connect_timeout_ms": 5000,
+                                           "timeout_ms": 20_000, **kw})
+
+
+def http_config(id_: str, server: SampleServer, **kw: Any) -> McpServerConfig:
+    return mcp_config(id_, transport=server.transport, hostname="http://127.0.0.1",
+                      port=server.port, **kw)

@@ -38,3 +38,53 @@ def test_schemas_do_no_io() -> None:
     for path in (REPO / "schemas").rglob("*.py"):
         found = _imports(path)
         assert not found & {"os", "socket", "asyncio", "time", "random", "uuid", "pathlib"}, path
+
+
+def _module_imports(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (function-level imports too), as dotted
+    names: `from services import cli` counts as `services.cli`."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> modules it imports), or None."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module):], module]
+        if module in done:
+            return None
+        for target in sorted(graph[module]):
+            found = visit(target, [*path, module])
+            if found:
+                return found
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        found = visit(module, [])
+        if found:
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", ORDER)
+def test_no_import_cycle_between_the_modules_of_a_package(package: str) -> None:
+    paths = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in sorted((REPO / package).rglob("*.py"))}
+    graph = {m: _module_imports(p) & (set(paths) - {m}) for m, p in paths.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -160,7 +160,7 @@ ProgressFn = Callable[[], None]
 
 class RunnableTool(Protocol):
     """What an executor runs: a local function (`LocalTool`) or a remote one (an MCP
-    server's tool, in actors/mcp_connector.py)."""
+    server's tool, `McpTool` in actors/mcp_link.py)."""
 
     @property
     def spec(self) -> ToolSpec: ...

@@ -1,39 +1,169 @@
-"""The benchmark runs end to end (timing is reported, never asserted)."""
+"""The benchmarks run end to end and print each figure beside its floor (timing is
+reported, never asserted); the embedded server's fsync and payload options take effect."""
 
 from __future__ import annotations
 
 import json
+import urllib.request
+from pathlib import Path
+from typing import Any
 
-from tests.conftest import run_toolbus
+import nats
+import pytest
+
+from bus.server import EmbeddedServer, free_port
+from schemas.defaults import SERVER_MAX_PAYLOAD
+from schemas.errors import ConfigError
+from tests.conftest import Proc, run_toolbus
 
 
-def test_bench_calls_reports_toolbus_next_to_its_raw_baselines() -> None:
-    out = run_toolbus("bench", "calls", "--n", "64", "--concurrency", "8", "--json", timeout=120)
+def _report(*args: str) -> dict[str, Any]:
+    out = run_toolbus("bench", *args, "--json", timeout=150)
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    names = [r["name"] for r in report["rows"]]
-    assert names == ["raw JetStream publish+ack"] * 2 + ["raw request/reply"] * 2 + \
-        ["toolbus call built-in:echo"] * 2
-    assert report["failures"] == 0
-    assert set(report["ratios"]) == {"seq_p50_vs_js_publish", "seq_p50_vs_request_reply",
-                                     "throughput_vs_js_publish"}
+    report: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return report
+
+
+def _assert_machine(report: dict[str, Any]) -> None:
+    machine = report["machine"]
+    assert len(machine["loadavg"]) == 3 and len(machine["loadavg_end"]) == 3
+    assert machine["cpus"] >= 1 and machine["cpus_usable"] >= 1
+
+
+def _vs(row: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(figure, floor, floor figure) of each comparison of a row, each with a ratio."""
+    assert all(v["ratio"] > 0 and v["floor_value"] > 0 for v in row["vs"])
+    return {(v["figure"], v["floor"], v["floor_figure"]) for v in row["vs"]}
+
+
+JS, RR = "raw JetStream publish+ack", "raw request/reply"
+
+
+def test_bench_calls_reports_each_figure_beside_its_raw_floor() -> None:
+    report = _report("calls", "--n", "50", "--concurrency", "4", "--turns", "20")
+    _assert_machine(report)
+    assert report["fsync"] == "batch" and report["failures"] == 0
+    rows = report["rows"]
+    assert [(r["name"], r["concurrency"]) for r in rows] == [
+        (JS, 1), (RR, 1), (JS, 4), ("toolbus call built-in:echo", 1),
+        ("toolbus call built-in:echo", 4), ("one session, turns 1..10", 1),
+        ("one session, turns 11..20", 1)]
+    assert all(r["vs"] == [] for r in rows[:3])
+    seq, par, early, late = rows[3:]
+    assert _vs(seq) == {("p50", JS, "p50"), ("p99", JS, "p50"),
+                        ("p50", RR, "p50"), ("p99", RR, "p50")}
+    assert _vs(par) == {("per_s", JS, "per_s")}
+    assert [v["floor_concurrency"] for v in par["vs"]] == [1, 4]  # sequential, then pipelined
+    assert early["vs"] == [] and _vs(late) == {("p50", early["name"], "p50"),
+                                               ("p99", early["name"], "p50")}
+    assert set(report["ratios"]) == {
+        "seq_p50_vs_js_publish", "seq_p99_vs_js_publish", "seq_p50_vs_request_reply",
+        "seq_p99_vs_request_reply", "throughput_vs_js_publish_seq",
+        "throughput_vs_js_publish", "late_turns_p50_vs_early"}
+
+
+def test_bench_calls_with_fsync_always_prints_the_machine_floors_and_ratios() -> None:
+    out = run_toolbus("bench", "calls", "--n", "50", "--concurrency", "4", "--turns", "20",
+                      "--fsync", "always", timeout=150)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("toolbus bench calls: load ") and " CPUs" in lines[0]
+    assert "fsync always" in lines[0]
+    head = lines[1].split()
+    assert head[:2] == ["measure", "in"] and head[-2:] == ["floor", "ratio"]
+    assert "p99 ms" in lines[1] and "per s" in lines[1]
+    seq = next(i for i, ln in enumerate(lines) if ln.startswith("toolbus call built-in:echo"))
+    assert f"{JS} [1] p50" in lines[seq] and "p99 " in lines[seq] and "x" in lines[seq]
+    assert f"{RR} [1] p50" in lines[seq + 1]
+    assert any("one session, turns 1..10 [1] p50" in ln for ln in lines)
+    assert "failures: 0" in out.stdout
 
 
 def test_bench_validation_reports_the_cost_per_call_next_to_a_json_decode() -> None:
     out = run_toolbus("bench", "validation", "--json")
     assert out.returncode in (0, 1), out.stderr  # 1 = over the 20 µs target: reported, not asserted
     report = json.loads(out.stdout)
+    _assert_machine(report)
     assert report["schema_fields"] == 10 and report["target_us"] == 20.0
     for key in ("json_decode_us", "toolbus_valid_us", "toolbus_invalid_all_violations_us",
                 "fastjsonschema_valid_us", "ratio_to_json_decode"):
         assert report[key] > 0, key
 
 
-def test_bench_mcp_reports_toolbus_next_to_a_direct_mcp_client() -> None:
-    out = run_toolbus("bench", "mcp", "--n", "32", "--concurrency", "4", "--json", timeout=120)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [r["name"] for r in report["rows"]] == [
-        "direct mcp.Client.call_tool", "toolbus call (MCP tool)"] * 2
+def test_bench_mcp_reports_toolbus_beside_a_direct_mcp_client_and_the_raw_floor() -> None:
+    report = _report("mcp", "--n", "32", "--concurrency", "4")
+    _assert_machine(report)
     assert report["failures"] == 0
-    assert set(report) >= {"overhead_p50_ms", "ratio_p50", "throughput_ratio"}
+    rows = report["rows"]
+    direct, through = "direct mcp.Client.call_tool", "toolbus call (MCP tool)"
+    assert [(r["name"], r["concurrency"]) for r in rows] == [
+        (JS, 1), (RR, 1), (direct, 1), (through, 1), (direct, 4), (through, 4)]
+    assert _vs(rows[3]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
+                            ("p50", JS, "p50"), ("p99", JS, "p50")}
+    assert _vs(rows[5]) == {("per_s", direct, "per_s"), ("per_s", JS, "per_s")}
+    assert set(report) >= {"overhead_p50_ms", "overhead_p50_vs_js_publish", "ratio_p50",
+                           "ratio_p99", "throughput_ratio"}
+
+
+def test_bench_replay_times_the_fold_and_the_cli_beside_their_floors() -> None:
+    report = _report("replay", "--events", "300")
+    _assert_machine(report)
+    assert report["events"] == 300
+    figures = report["figures"]
+    assert set(figures) == {"in_process", "read", "fold", "decode", "cli_replay", "cli_import",
+                            "python_start"}
+    for key in ("in_process", "cli_replay", "cli_import"):
+        assert figures[key]["floor"] in figures and figures[key]["ratio"] > 0, key
+    assert figures["in_process"]["target_ms"] == 150 and figures["cli_import"]["target_ms"] == 300
+    assert all(f["best_ms"] > 0 and f["median_ms"] >= f["best_ms"] for f in figures.values())
+
+    out = run_toolbus("bench", "replay", "--events", "100", timeout=150)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("toolbus bench replay: load ") and " CPUs" in out.stdout
+    assert "floor" in out.stdout and "ratio" in out.stdout
+    assert "python -c pass (median" in out.stdout
+
+
+# --- the embedded server's options -------------------------------------------------------
+
+
+def _varz(server: EmbeddedServer) -> dict[str, Any]:
+    url = f"http://{server.host}:{server.monitor_port}/varz"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        varz: dict[str, Any] = json.load(resp)
+    return varz
+
+
+@pytest.mark.parametrize("fsync", ["batch", "always"])
+def test_embedded_server_fsyncs_as_asked_and_takes_8_mb_messages(
+    tmp_path: Path, fsync: str
+) -> None:
+    with EmbeddedServer(tmp_path, port=free_port(), fsync=fsync,
+                        monitor_port=free_port()) as server:
+        varz = _varz(server)
+    config = varz["jetstream"]["config"]
+    assert config.get("sync_always", False) is (fsync == "always")
+    assert config["store_dir"] == str(tmp_path / "jetstream" / "jetstream")  # where it was
+    assert varz["max_payload"] == SERVER_MAX_PAYLOAD == 8 * 1024 * 1024
+
+
+def test_embedded_server_refuses_an_unknown_fsync_mode(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="fsync must be one of batch, always"):
+        EmbeddedServer(tmp_path, fsync="never")
+
+
+async def test_toolbus_up_fsync_always_reaches_the_embedded_server(tmp_path: Path) -> None:
+    port = free_port()
+    data = tmp_path / "data"
+    up = Proc("up", "--fsync", "always", "--port", str(port), "--data-dir", str(data),
+              ready="stop:")
+    try:
+        await up.wait_ready()
+        assert "sync_interval: always" in (data / "nats-server.conf").read_text()
+        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+        try:
+            assert nc.max_payload == SERVER_MAX_PAYLOAD
+        finally:
+            await nc.close()
+    finally:
+        assert up.stop() == 0

@@ -6,11 +6,14 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
 from pathlib import Path
 
 import nats
 
+from bus.catalog import Catalog
+from bus.connection import connect
 from bus.server import free_port
 from tests.conftest import Proc, run_toolbus
 
@@ -187,3 +190,84 @@ async def test_each_actor_kind_runs_in_its_own_process(tmp_path: Path) -> None:
         for p in procs:
             p.stop()
         server.stop()
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process `pid` has ended (a zombie has), waiting up to `timeout` for it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def _pids(banner: str) -> tuple[int, int]:
+    """The embedded server's pid and worker 1's, from the banner."""
+    server = re.search(r"nats-server \(pid (\d+)\)", banner)
+    worker = re.search(r"process (\d+) \(worker 1\):", banner)
+    assert server and worker, banner
+    return int(server.group(1)), int(worker.group(1))
+
+
+async def test_up_with_two_workers_runs_tools_in_a_worker_and_sigterm_stops_every_process(
+        tmp_path: Path) -> None:
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+              "--workers", "2", "--instance", "wk", ready="stop:")
+    try:
+        banner = await up.wait_ready()
+        server_pid, worker_pid = _pids(banner)
+        assert f"process {up.pid}: session, approval" in banner
+        assert "executor wk-1 (pool default): built-in:current_time, built-in:echo" in banner
+        # The worker's tools were in the catalog before the banner: the first call works.
+        out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"w": 2}',
+                                      "--session", "workers", "--nats", url)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == '{"w":2}\n'
+        started = [e["event"] for e in _replay_json(url, "workers")
+                   if e.get("event", {}).get("type") == "call.started"]
+        assert [s["executor"] for s in started] == ["wk-1"]  # run by the worker process
+        executors = await asyncio.to_thread(run_toolbus, "executors", "--nats", url)
+        assert "wk-1  pool=default  host=" in executors.stdout
+        assert f"pid={worker_pid}" in executors.stdout
+        assert not any(_gone(pid, 0) for pid in (up.pid, worker_pid, server_pid))
+    finally:
+        code = up.stop(signal.SIGTERM)
+    assert code == 0
+    assert _gone(worker_pid, 20) and _gone(server_pid, 20), "a process outlived toolbus up"
+
+
+async def test_a_dead_worker_is_restarted_and_a_killed_parent_leaves_no_process_behind(
+        tmp_path: Path) -> None:
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+              "--workers", "2", "--instance", "wr", ready="stop:")
+    try:
+        server_pid, worker_pid = _pids(await up.wait_ready())
+        bus = await connect(url, name="test-workers")
+        catalog = Catalog(bus)
+        await catalog.start()
+        try:
+            os.kill(worker_pid, signal.SIGKILL)
+            # The replacement announces itself under the same instance name.
+            await catalog._executors.wait_until(
+                lambda items: "wr-1" in items and items["wr-1"].pid != worker_pid, 30)
+            new_pid = catalog._executors.items["wr-1"].pid
+        finally:
+            await catalog.stop()
+            await bus.close()
+        out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"again": 1}',
+                                      "--nats", url)
+        assert out.stdout == '{"again":1}\n', out.stderr
+        os.kill(up.pid, signal.SIGKILL)  # no clean-up: the kernel tells the children
+        assert _gone(new_pid, 20) and _gone(server_pid, 20), "orphans of a killed toolbus up"
+        assert up.proc.stderr is not None
+        assert (f"worker wr-1 (pid {worker_pid}) exited with code -9; restarting it"
+                in up.proc.stderr.read())
+    finally:
+        up.stop()

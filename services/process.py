@@ -1,0 +1,41 @@
+"""What every toolbus process shares: exit codes, the event loop runner, and how a child
+process ties its life to its parent's. Imports nothing else of services/, so the CLI, the
+runtime and the worker supervisor all import it without a cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+EXIT_OK, EXIT_CALL_FAILED, EXIT_USAGE, EXIT_BUS = 0, 1, 2, 3
+
+_PR_SET_PDEATHSIG = 1
+
+
+def run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it exists: it roughly halves the cost of each bus hop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent dies, even by SIGKILL, instead of lingering.
+
+    Either in the child before exec (a `preexec_fn`), or first thing in a child process
+    (then check with `parent_is` that the parent did not die before this call)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):  # best effort: not every libc has prctl
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def parent_is(pid: int) -> bool:
+    return os.getppid() == pid
