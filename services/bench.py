@@ -226,6 +226,10 @@ async def _server(nats_url: str | None, *, fsync: str) -> AsyncIterator[str]:
             server.stop()
 
 
+def _workers_args(workers: int | None) -> tuple[str, ...]:
+    return () if workers is None else ("--workers", str(workers))
+
+
 @contextlib.asynccontextmanager
 async def _system(nats_url: str | None, *up_args: str,
                   fsync: str = "batch") -> AsyncIterator[str]:
@@ -279,12 +283,13 @@ def _floor_lines(f: Floors) -> list[Line]:
 
 
 async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int = 32,
-                      turns: int = 1000, fsync: str = "batch", json_out: bool = False) -> int:
+                      turns: int = 1000, fsync: str = "batch", json_out: bool = False,
+                      workers: int | None = None) -> int:
     """Explicit `built-in:echo` calls end to end (request published -> turn completed and
     seen by the client), one at a time and `concurrency` in flight; then `turns` turns of
     one session, to show a turn costs the same late in a long session as early."""
     machine = _machine()
-    async with _system(nats_url, fsync=fsync) as url:
+    async with _system(nats_url, *_workers_args(workers), fsync=fsync) as url:
         bus = await connect(url, name="toolbus-bench")
         responder = await connect(url, name="toolbus-bench-responder")
         client = ToolbusClient(bus)
@@ -384,7 +389,7 @@ async def _sample_mcp_server() -> AsyncIterator[int]:
 
 
 async def bench_mcp(*, n: int = 1000, concurrency: int = 16, fsync: str = "batch",
-                    json_out: bool = False) -> int:
+                    json_out: bool = False, workers: int | None = None) -> int:
     """A tool call through toolbus (request -> session -> connector -> MCP server -> events)
     beside a direct `mcp.Client.call_tool` on the same server, and the raw bus floors, in
     the same run."""
@@ -399,7 +404,7 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, fsync: str = "batch
             f"tools: {{builtins: []}}\nmcps:\n  - id: bench\n"
             f"    hostname: http://127.0.0.1\n    port: {port}\n")
         url = await stack.enter_async_context(
-            _system(None, "--manifest", str(manifest), fsync=fsync))
+            _system(None, "--manifest", str(manifest), *_workers_args(workers), fsync=fsync))
         direct = await stack.enter_async_context(
             mcp.Client(f"http://127.0.0.1:{port}/mcp", cache=None))
         bus = await connect(url, name="toolbus-bench")

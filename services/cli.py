@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["calls", "validation", "mcp", "replay"])
     p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
     p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="calls, mcp: start the measured `toolbus up` with --workers N "
+                        "(default: its own default, one process per core)")
     p.add_argument("--turns", type=int, default=1000,
                    help="calls: turns of the one long session (default 1000)")
     p.add_argument("--events", type=int, default=10_000,
@@ -214,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "bench" if args.what == "mcp":
                 from services.bench import bench_mcp
                 return _run(bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
-                                      fsync=args.fsync, json_out=args.json))
+                                      fsync=args.fsync, json_out=args.json,
+                                      workers=args.workers))
             case "bench" if args.what == "validation":
                 from services.bench import bench_validation
                 return bench_validation(json_out=args.json)
@@ -226,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from services.bench import bench_calls
                 return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
                                         turns=args.turns, fsync=args.fsync,
-                                        json_out=args.json))
+                                        json_out=args.json, workers=args.workers))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -32,6 +33,8 @@ from services.telemetry import install_tracing, shutdown_tracing
 from services.workers import WORKER_READY, Workers
 
 log = logging.getLogger("toolbus")
+
+_GC_GEN0 = 5_000  # allocations between young collections (CPython's default is 700)
 
 ACTOR_KINDS = ("session", "approval", "executor", "mcp")
 
@@ -194,6 +197,12 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
         actors = await start_actors(bus, kinds, settings)
         if settings.http_port is not None:
             gateway = await start_gateway(bus, settings.http_port)
+        # Everything loaded so far (modules, schemas, catalogs) lives as long as the
+        # process: moved out of the collector's sight, so its passes over the young
+        # objects of each call stay short (fewer and shorter pauses in the p99).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(_GC_GEN0, *gc.get_threshold()[1:])
         if banner:
             print(banner if isinstance(banner, str) else banner(actors), flush=True)
         while not stop.is_set():
