@@ -33,7 +33,7 @@ import msgspec
 from actors.kernel import Inbox, Kernel, PoisonError, SessionStates, outgoing_headers
 from actors.tools import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
 from bus import trace
-from bus.artifacts import ArtifactStore
+from bus.artifacts import ArtifactStore, json_string_chunks
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery
@@ -290,6 +290,20 @@ class Executor:
                 return self._failed(d, "output_invalid",
                                     describe(violations, f"result of {d.tool}"),
                                     duration_ms=_ms(t0))
+        if isinstance(result, str) and len(result) > self._max_inline_result:
+            # Surely too large for an event: streamed to the object store as it is
+            # encoded, so the result is held once, not twice.
+            keep_alive.poke()
+            try:
+                streamed = await self._artifacts.put_chunks(
+                    d.session_id, d.call_id, attempt, json_string_chunks(result))
+            except ArtifactError as exc:
+                return self._failed(d, "result_not_stored", str(exc), retryable=True,
+                                    duration_ms=_ms(t0))
+            return CallSucceeded(session_id=d.session_id, at=self._clock(), actor="executor",
+                                 call_id=d.call_id, turn_id=d.turn_id, result=None,
+                                 executor=self.instance, duration_ms=_ms(t0),
+                                 result_ref=streamed)
         try:
             encoded = _json.encode(result)
         except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:

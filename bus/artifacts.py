@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.object_store import ObjectStore
@@ -24,9 +26,48 @@ from schemas.defaults import RESULT_PREVIEW_CHARS
 from schemas.errors import ArtifactError
 from schemas.events import ResultRef
 
+_encode = msgspec.json.Encoder().encode
+
 
 def artifact_key(session_id: str, call_id: str, attempt: int) -> str:
     return f"{session_id}/{call_id}/{attempt}"
+
+
+class _ChunkReader:
+    """`readinto` over an iterable of byte strings, hashing and counting them, and
+    keeping the first few KB for the preview. nats-py calls it from a worker thread."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = iter(chunks)
+        self._buf = memoryview(b"")
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.head = b""
+
+    def readinto(self, out: bytearray) -> int:
+        while not self._buf:
+            try:
+                chunk = next(self._chunks)
+            except StopIteration:
+                return 0
+            self.sha.update(chunk)
+            self.size += len(chunk)
+            if len(self.head) < 4 * RESULT_PREVIEW_CHARS:
+                self.head += chunk[: 4 * RESULT_PREVIEW_CHARS]
+            self._buf = memoryview(chunk)
+        n = min(len(out), len(self._buf))
+        out[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+def json_string_chunks(text: str, piece: int = 64 * 1024) -> Iterator[bytes]:
+    """The JSON encoding of a string, in pieces: each piece of characters encodes on its
+    own (a Python string holds whole code points, so no escape is ever split)."""
+    yield b'"'
+    for i in range(0, len(text), piece):
+        yield _encode(text[i:i + piece])[1:-1]
+    yield b'"'
 
 
 class _Checked:
@@ -61,13 +102,20 @@ class ArtifactStore:
     async def put(self, session_id: str, call_id: str, attempt: int,
                   data: bytes) -> ResultRef:
         """Store one result's JSON (the same attempt again replaces it)."""
+        return await self.put_chunks(session_id, call_id, attempt, (data,))
+
+    async def put_chunks(self, session_id: str, call_id: str, attempt: int,
+                         chunks: Iterable[bytes]) -> ResultRef:
+        """Store one result's JSON given in pieces, never joined: a large result is held
+        once (as the tool returned it), not twice."""
         key = artifact_key(session_id, call_id, attempt)
+        reader = _ChunkReader(chunks)
         try:
-            await (await self._store()).put(key, io.BytesIO(data))
+            await (await self._store()).put(key, reader)  # type: ignore[arg-type]  # any object with readinto() works
         except (nats.errors.Error, TimeoutError) as exc:
-            raise ArtifactError(key, f"could not store {len(data)} bytes: {exc}") from exc
-        return ResultRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                         preview=preview_of(data))
+            raise ArtifactError(key, f"could not store {reader.size} bytes: {exc}") from exc
+        return ResultRef(key=key, size=reader.size, sha256=reader.sha.hexdigest(),
+                         preview=preview_of(reader.head))
 
     async def read_into(self, ref: ResultRef, out: BinaryIO) -> None:
         """Write the stored bytes into `out`, then check their size and sha256 against the
