@@ -235,21 +235,22 @@ class Executor:
                                     executor=self.instance, attempt=attempt)
         started_id = call_started_id(d.session_id, d.call_id, attempt)
         with trace.tool_span(d.tool, d.call_id, parent=None):
-            pending_start: asyncio.Task[None] | None = None
-            if tool.spec.rerunnable:
-                # Safe to run before `call.started` is stored: a rerun cannot hurt.
-                # Publishing it alongside saves a round trip on the hot path.
-                pending_start = asyncio.create_task(self._append(started_event, started_id))
-            else:
-                await self._append(started_event, started_id)
+            log = self._kernel.log
+            started = await log.send(Append(started_event, started_id),
+                                     headers=outgoing_headers())
+            if not tool.spec.rerunnable:
+                await started()  # stored before a tool that may not run twice starts
             # Beats until the outcome is stored, not only while the tool runs: the append
             # may retry for longer than the ack wait.
             keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
             try:
                 outcome = await self._run(d, tool, keep_alive, attempt)
-                if pending_start is not None:
-                    await pending_start
-                await self._append(outcome, terminal_id)
+                # A rerunnable tool ran while `call.started` was on the wire: the outcome
+                # is sent behind it without waiting for its ack (one round trip, not two;
+                # the order on the connection keeps started before the outcome).
+                ended = await log.send(Append(outcome, terminal_id), headers=outgoing_headers())
+                await started()
+                await ended()
             finally:
                 keep_alive.cancel()
         await delivery.ack()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +203,36 @@ class EventLog:
             return self._result(subject, ack, expect_last)
         raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
                                    f"{type(last_error).__name__}: {last_error}")
+
+    async def send(self, item: Append, *, headers: Mapping[str, str] | None = None
+                   ) -> Callable[[], Awaitable[AppendResult]]:
+        """Publish one event now and return a function that awaits its acknowledgement
+        (retrying, as `append` does, if the publish or its ack failed). Events sent one
+        after another on this log are stored in that order, so a second can be sent
+        before the first is acknowledged: one round trip for both."""
+        subject, payload, hdrs = self._prepare(item, None, None, headers)
+        try:
+            sent: tuple[str, asyncio.Future[Msg]] | None = await self._pub.send(
+                subject, payload, hdrs)
+        except _RETRYABLE:
+            sent = None
+
+        done: list[AppendResult] = []
+
+        async def result() -> AppendResult:
+            if done:
+                return done[0]
+            if sent is not None:
+                try:
+                    ack = await self._pub.wait(subject, sent, _APPEND_TIMEOUT_S)
+                    done.append(self._result(subject, ack, None))
+                    return done[0]
+                except _RETRYABLE:
+                    pass
+            done.append(await self.append(item, headers=headers))
+            return done[0]
+
+        return result
 
     async def append_decision(
         self, items: Sequence[Append], *, expect_last: int | None,
