@@ -374,6 +374,8 @@ async def _state(url: str, args: argparse.Namespace) -> int:
         await _references(bus, state, full=args.full)
     finally:
         await bus.close()
+    if state.last_seq == 0:
+        print(f"toolbus: session {args.session} has no events (yet)", file=sys.stderr)
     sys.stdout.write(encode_state(state).decode() + "\n")
     return EXIT_OK
 

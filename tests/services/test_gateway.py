@@ -52,3 +52,35 @@ async def test_a_call_is_requested_and_approved_over_http(tmp_path: Path) -> Non
             assert (await web.post("/sessions/bad%20id/requests", json={})).status_code == 400
     finally:
         assert up.stop() == 0
+
+
+async def test_state_over_http_resolves_references_and_survives_a_huge_state(
+        tmp_path: Path) -> None:
+    port, http_port = free_port(), free_port()
+    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--workers",
+              "1", "--http-port", str(http_port), "--tools", "tests/toolkit.py", ready="stop:")
+    try:
+        await up.wait_ready()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}",
+                                     timeout=30) as web:
+            calls = [{"tool": "testing:blob", "arguments": {"size": 300_000}}] + [
+                {"tool": "testing:blob", "arguments": {"size": 225_000}}] * 20
+            sent = await web.post("/sessions/big1/requests",
+                                  json={"request_id": "r1", "calls": calls})
+            assert sent.status_code == 202
+            async with asyncio.timeout(30):
+                while True:
+                    got = await web.get("/sessions/big1/state")
+                    assert got.status_code == 200, got.text
+                    if got.json()["turns"].get("r1", {}).get("status") == "completed":
+                        break
+                    await asyncio.sleep(0.1)  # another process: poll it
+            # 4.5 MB of inline results: over one state reply, so folded from the log.
+            assert got.headers["X-Toolbus-State-Source"] == "log"
+            first = got.json()["calls"]["r1-0"]
+            assert first["result"] is None and first["result_ref"]["size"] == 300_002
+            full = await web.get("/sessions/big1/state?full=1")
+            assert full.headers["X-Toolbus-Resolved-References"] == "1"
+            assert full.json()["calls"]["r1-0"]["result"] == "x" * 300_000
+    finally:
+        assert up.stop() == 0
