@@ -65,6 +65,7 @@ log = logging.getLogger("toolbus.executor")
 # A first delivery older than this is checked against the log too: its consumer may have
 # been re-created, and a dispatch that old may already have run.
 _STALE_DELIVERY_S = 5.0
+_INSTANCE_ROUTE = instance_route("x", "x").split(".", 1)[0] + "."
 _json = msgspec.json.Encoder()
 
 
@@ -215,7 +216,10 @@ class Executor:
 
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
-        if attempt > 1 or age_s > _STALE_DELIVERY_S:
+        # A call sent to this instance by name may have been ended by the janitor while
+        # this instance's presence had lapsed: look before running it, as for a redelivery.
+        named = d.route.startswith(_INSTANCE_ROUTE)
+        if attempt > 1 or age_s > _STALE_DELIVERY_S or named:
             # It may have run already: the session's state says how far it got.
             call = (await self._states.current(d.session_id)).state.calls.get(d.call_id)
             if call is not None and call.terminal:

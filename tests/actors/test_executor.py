@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 
+from actors.executor import Executor
+from actors.tools import load_tools
 from bus.client import ToolbusClient
-from schemas.events import TurnCompleted
+from bus.eventlog import Append, EventLog
+from schemas.events import CallDispatched, CallFailed, CallRequested, TurnCompleted
+from schemas.ids import call_requested_id, call_terminal_id, dispatch_id
+from schemas.tools import instance_route
+from tests.conftest import TESTS, of_type
 
 
 async def _one(client: ToolbusClient, sid: str, tool: str, arguments: dict) -> object:
@@ -59,3 +66,40 @@ async def test_arguments_the_function_cannot_take_fail_the_call(client, sid) -> 
     out = await _one(client, sid, "testing:loose", {"secs": 1})
     assert out.error.error_type == "invalid_arguments"  # type: ignore[attr-defined]
     assert "seconds" in out.error.message  # type: ignore[attr-defined]
+
+
+async def test_a_call_the_janitor_ended_is_not_run_by_its_named_instance_later(
+        bus, sid, tmp_path) -> None:
+    # The instance's presence lapsed, the janitor ended the call it was sent; when the
+    # instance comes back and receives the call, it must not run it anyway.
+    log = EventLog(bus)
+    call = "late-turn-0"
+    await log.append(Append(CallRequested(session_id=sid, at=1.0, actor="session",
+                                          call_id=call, turn_id="late-turn",
+                                          tool="testing:append_line", arguments={}),
+                            call_requested_id(sid, call)))
+    await log.append(Append(CallFailed(session_id=sid, at=2.0, actor="janitor", call_id=call,
+                                       turn_id="late-turn", error_type="instance_unavailable",
+                                       message="gone"), call_terminal_id(sid, call)))
+    effects = tmp_path / "effects.txt"
+    route = instance_route("late-one", "testing")
+    await log.append(Append(CallDispatched(
+        session_id=sid, at=3.0, actor="session", call_id=call, turn_id="late-turn",
+        tool="testing:append_line", arguments={"path": str(effects), "line": "no"},
+        route=route), dispatch_id(sid, call), route))
+    executor = Executor(bus, load_tools(str(TESTS / "toolkit.py")), instance="late-one",
+                        register=False)
+    await executor.start()
+    try:
+        async with asyncio.timeout(5):
+            while True:  # the consumer takes it and acks it: the server says when
+                ci = await bus.js.consumer_info("TOOLBUS_EVENTS",
+                                                "exec_instance_late-one_testing")
+                if ci.num_pending == 0 and ci.num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await executor.stop()
+    assert executor.runs == 0 and not effects.exists()
+    events = [s.event for s in await log.read_session(sid)]
+    assert len(of_type(events, "call.failed")) == 1 and not of_type(events, "call.started")
