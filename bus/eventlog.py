@@ -210,13 +210,18 @@ class EventLog:
         (retrying, as `append` does, if the publish or its ack failed). Events sent one
         after another on this log are stored in that order, so a second can be sent
         before the first is acknowledged: one round trip for both."""
-        subject, payload, hdrs = self._prepare(item, None, None, headers)
+        return await self._send(item, self._prepare(item, None, None, headers), None,
+                                headers)
+
+    async def _send(self, item: Append, prepared: tuple[str, bytes, dict[str, str]],
+                    expect_last: int | None, headers: Mapping[str, str] | None
+                    ) -> Callable[[], Awaitable[AppendResult]]:
+        subject, payload, hdrs = prepared
         try:
             sent: tuple[str, asyncio.Future[Msg]] | None = await self._pub.send(
                 subject, payload, hdrs)
         except _RETRYABLE:
-            sent = None
-
+            sent = None  # sent again by `append`, with the same message id
         done: list[AppendResult] = []
 
         async def result() -> AppendResult:
@@ -225,11 +230,11 @@ class EventLog:
             if sent is not None:
                 try:
                     ack = await self._pub.wait(subject, sent, _APPEND_TIMEOUT_S)
-                    done.append(self._result(subject, ack, None))
+                    done.append(self._result(subject, ack, expect_last))
                     return done[0]
                 except _RETRYABLE:
                     pass
-            done.append(await self.append(item, headers=headers))
+            done.append(await self.append(item, expect_last=expect_last, headers=headers))
             return done[0]
 
         return result
@@ -244,29 +249,17 @@ class EventLog:
         # only the first is checked. If that check fails, the others may still be stored:
         # harmless, because a decision's events have deterministic ids and the
         # re-decision after a re-read writes the same ids (deduplicated) and the reducer
-        # accepts either order.
-        prepared = [self._prepare(item, expect_last if i == 0 else None, None, headers)
-                    for i, item in enumerate(items)]
-        sent: list[tuple[str, asyncio.Future[Msg]] | None] = []
-        for subject, payload, headers in prepared:
-            try:
-                sent.append(await self._pub.send(subject, payload, headers))
-            except _RETRYABLE:
-                sent.append(None)  # sent again below, with the same message id
+        # accepts either order. Every event is prepared (size-checked) before any is sent.
+        expects = [expect_last if i == 0 else None for i in range(len(items))]
+        prepared = [self._prepare(item, expect, None, headers)
+                    for item, expect in zip(items, expects, strict=True)]
+        pending = [await self._send(item, one, expect, headers)
+                   for item, one, expect in zip(items, prepared, expects, strict=True)]
         results: list[AppendResult] = []
         failure: AppendError | None = None
-        for i, (item, (subject, _, _), one) in enumerate(zip(items, prepared, sent,
-                                                            strict=True)):
-            expect = expect_last if i == 0 else None
+        for result in pending:
             try:
-                if one is not None:
-                    try:
-                        ack = await self._pub.wait(subject, one, _APPEND_TIMEOUT_S)
-                        results.append(self._result(subject, ack, expect))
-                        continue
-                    except _RETRYABLE:
-                        pass
-                results.append(await self.append(item, expect_last=expect, headers=headers))
+                results.append(await result())
             except AppendError as exc:  # ConcurrencyError included: raised after the rest
                 failure = failure or exc
         if failure is not None:
