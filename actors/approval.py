@@ -301,7 +301,9 @@ class ApprovalActor:
                 headers=outgoing_headers())
         await self._store.delete(sid, call_id)
         call = (await self._states.current(sid)).state.calls.get(call_id)
-        assert call is not None  # it was waiting for this decision
+        if call is None:  # it was waiting for this decision: the log cannot have lost it
+            raise RpcError("internal", f"call {call_id} of session {sid} vanished from the "
+                                       "log while being decided")
         return call
 
     async def _on_decision(self, subject: str, data: bytes) -> bytes:

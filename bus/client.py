@@ -24,6 +24,7 @@ from schemas.events import (
     CallSucceeded,
     Event,
     RequestRejected,
+    ResultRef,
     TurnCompleted,
     TurnFailed,
 )
@@ -207,8 +208,7 @@ class ToolbusClient:
                     ev.session_id == end.session_id:
                 o = msgspec.structs.replace(o, result=ev.result, result_ref=ev.result_ref)
             if full and o.result_ref is not None and o.result is None:
-                data = await ArtifactStore(self.bus).read(o.result_ref)
-                o = msgspec.structs.replace(o, result=msgspec.json.decode(data))
+                o = msgspec.structs.replace(o, result=await self._fetch(o.result_ref))
             outcomes.append(o)
         return msgspec.structs.replace(end, outcomes=outcomes)
 
@@ -221,12 +221,15 @@ class ToolbusClient:
     async def resolve_references(self, state: SessionState) -> int:
         """Put each result stored as a reference into `state` (read from the object
         store); returns how many there were."""
-        store = ArtifactStore(self.bus)
         refs = [c for c in state.calls.values() if c.result_ref is not None]
         for call in refs:
             assert call.result_ref is not None
-            call.result = msgspec.json.decode(await store.read(call.result_ref))
+            call.result = await self._fetch(call.result_ref)
         return len(refs)
+
+    async def _fetch(self, ref: ResultRef) -> Any:
+        """A result stored as a reference, read back (size and sha256 checked)."""
+        return msgspec.json.decode(await ArtifactStore(self.bus).read(ref))
 
     async def find_end(self, session_id: str, turn_id: str, *,
                        full: bool = False) -> TurnEnd | None:
