@@ -45,6 +45,7 @@ from schemas.defaults import (
     EXECUTORS_TTL_S,
     MAX_IN_FLIGHT,
     MAX_INLINE_RESULT_BYTES,
+    MAX_RESULT_BYTES,
 )
 from schemas.errors import ArtifactError, ConfigError
 from schemas.events import (
@@ -87,6 +88,7 @@ class Executor:
         ack_wait_s: float = EXECUTOR_ACK_WAIT_S,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_inline_result: int = MAX_INLINE_RESULT_BYTES,
+        max_result: int = MAX_RESULT_BYTES,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._bus = bus
@@ -94,6 +96,7 @@ class Executor:
         self._states = SessionStates(bus, self._kernel.log, size=1024)
         self._artifacts = ArtifactStore(bus)
         self._max_inline_result = max_inline_result
+        self._max_result = max_result
         self._catalog = Catalog(bus)
         self.instance = check_namespace(instance or default_instance_name())
         self._pool = check_namespace(pool)
@@ -259,6 +262,12 @@ class Executor:
                 keep_alive.cancel()
         await delivery.ack()
 
+    def _too_large(self, d: CallDispatched, size: int, t0: float) -> CallFailed:
+        return self._failed(d, "result_too_large",
+                            f"{d.tool} returned {size:,} bytes (at least); results over "
+                            f"{self._max_result:,} bytes are not stored: return a "
+                            "reference (a path or URL) instead", duration_ms=_ms(t0))
+
     def _reject(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         d = decode_stored(delivery.stream_seq, delivery.subject, delivery.data).event
         if not isinstance(d, CallDispatched):
@@ -295,6 +304,8 @@ class Executor:
                 return self._failed(d, "output_invalid",
                                     describe(violations, f"result of {d.tool}"),
                                     duration_ms=_ms(t0))
+        if isinstance(result, str) and len(result) > self._max_result:
+            return self._too_large(d, len(result), t0)
         if isinstance(result, str) and len(result) > self._max_inline_result:
             # Surely too large for an event: streamed to the object store as it is
             # encoded, so the result is held once, not twice.
@@ -316,6 +327,8 @@ class Executor:
                                 f"{d.tool} returned a value that is not JSON: {exc}",
                                 duration_ms=_ms(t0))
         ref: ResultRef | None = None
+        if len(encoded) > self._max_result:
+            return self._too_large(d, len(encoded), t0)
         if len(encoded) > self._max_inline_result:
             # Too large for an event: stream it to the object store, keep a reference.
             del result

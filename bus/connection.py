@@ -76,6 +76,9 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
         "ping_interval": 5,
         "max_outstanding_pings": 3,
         "pending_size": 8 * 1024 * 1024,
+        # Closing waits this long at most for subscriptions to drain (a reader that
+        # failed halfway leaves one nobody reads; nats-py's default is 30 s).
+        "drain_timeout": 2,
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,

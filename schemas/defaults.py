@@ -18,6 +18,9 @@ SERVER_MAX_PAYLOAD: Final = 8 * 1024 * 1024
 MAX_EVENT_BYTES: Final = 256 * 1024
 # A result is stored inline up to this size; the headroom is for the event's own fields.
 MAX_INLINE_RESULT_BYTES: Final = MAX_EVENT_BYTES - 16 * 1024
+# The largest result stored at all (in the object store): a tool that returns more fails
+# `result_too_large`, so one call cannot fill the store.
+MAX_RESULT_BYTES: Final = 256 * 1024 * 1024
 # Characters of a large result kept in its reference, for people and logs.
 RESULT_PREVIEW_CHARS: Final = 1024
 DUPLICATE_WINDOW_S: Final = 600.0

@@ -30,6 +30,7 @@ from bus.connection import Bus, connect
 from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
+from schemas.errors import ConfigError
 from schemas.events import (
     CallApproved,
     CallDispatched,
@@ -238,24 +239,30 @@ async def _system(nats_url: str | None, *up_args: str,
     if nats_url:
         yield nats_url
         return
+    # Its stderr goes to a file, not a pipe nobody drains, and is shown if it fails.
     async with _server(None, fsync=fsync) as url:
-        proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
-            [sys.executable, "-m", "services.cli", "up", "--nats", url, *up_args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
-            if not line.startswith("toolbus is up"):
-                raise RuntimeError(f"toolbus up did not start: {line!r}")
-            yield url
-        finally:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(15)
-            if proc.poll() is None:
-                proc.kill()
+        with tempfile.TemporaryFile() as errors:
+            proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
+                [sys.executable, "-m", "services.cli", "up", "--nats", url, *up_args],
+                stdout=subprocess.PIPE, stderr=errors, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            try:
+                assert proc.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+                if not line.startswith("toolbus is up"):
+                    proc.wait(15)
+                    errors.seek(0)
+                    tail = errors.read()[-2000:].decode(errors="replace").strip()
+                    raise ConfigError(f"the measured `toolbus up` did not start: "
+                                      f"{tail or line or 'no output'}")
+                yield url
+            finally:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(15)
+                if proc.poll() is None:
+                    proc.kill()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -60,12 +61,31 @@ def _add_actor_options(p: argparse.ArgumentParser) -> None:
                    help="load tools from a module name or .py file (repeatable)")
     p.add_argument("--pool", default="default", help="executor pool name (default: default)")
     p.add_argument("--instance", default=None, help="executor instance name (default: host-pid)")
-    p.add_argument("--ack-wait", type=float, default=EXECUTOR_ACK_WAIT_S, metavar="SECONDS",
+    p.add_argument("--ack-wait", type=_positive_float, default=EXECUTOR_ACK_WAIT_S,
+                   metavar="SECONDS",
                    help="seconds without an ack or in-progress beat before a call held by "
                         "an executor is redelivered: how fast a dead executor is noticed "
                         f"(default {EXECUTOR_ACK_WAIT_S:g})")
-    p.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
+    p.add_argument("--max-in-flight", type=_positive_int, default=MAX_IN_FLIGHT,
                    help=f"calls one executor process runs at once (default {MAX_IN_FLIGHT})")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)  # a ValueError becomes argparse's "invalid int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+_positive_int.__name__ = "int"  # argparse names the type in its error messages
+_positive_float.__name__ = "float"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="a session's timeline and rebuilt state; runs no tool")
     p.add_argument("session")
     p.add_argument("--json", action="store_true", help="one event per line, then the state")
-    p.add_argument("--until", type=int, default=None, metavar="SEQ",
+    p.add_argument("--until", type=_positive_int, default=None, metavar="SEQ",
                    help="stop after this stream sequence")
     p.add_argument("--full", action="store_true",
                    help="resolve results stored as references (object store) in the state")
@@ -167,14 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks beside their floor, measured in the same run")
     p.add_argument("what", choices=["calls", "validation", "mcp", "replay"])
-    p.add_argument("--n", type=int, default=2000, help="calls per phase (default 2000)")
-    p.add_argument("--concurrency", type=int, default=32, help="calls in flight (default 32)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--n", type=_positive_int, default=2000, help="calls per phase (default 2000)")
+    p.add_argument("--concurrency", type=_positive_int, default=32,
+                   help="calls in flight (default 32)")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="calls, mcp: start the measured `toolbus up` with --workers N "
                         "(default: its own default, one process per core)")
-    p.add_argument("--turns", type=int, default=1000,
+    p.add_argument("--turns", type=_positive_int, default=1000,
                    help="calls: turns of the one long session (default 1000)")
-    p.add_argument("--events", type=int, default=10_000,
+    p.add_argument("--events", type=_positive_int, default=10_000,
                    help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     _add_fsync(p)
@@ -236,6 +257,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep Python from failing
+        # again when it flushes stdout at exit.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:  # writing the output failed (a full disk, a closed terminal)
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"toolbus: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_CALL_FAILED
     return EXIT_USAGE
 
 
@@ -359,6 +391,7 @@ async def _references(bus: Bus, state: SessionState, *, full: bool) -> None:
 async def _state(url: str, args: argparse.Namespace) -> int:
     from bus.client import ToolbusClient
 
+    check_session_id(args.session)
     bus = await connect(url, name="toolbus-state")
     try:
         client = ToolbusClient(bus)
@@ -368,7 +401,8 @@ async def _state(url: str, args: argparse.Namespace) -> int:
             if exc.code != "too_large":
                 raise
             # Too large for one reply: the same reducer over the log gives the same state.
-            print(f"toolbus: {exc.message}; folding it here from the log instead",
+            print("toolbus: the live state is too large for one reply; folded here from "
+                  "the log with the same reducer instead",
                   file=sys.stderr)
             state = await client.fold_session(args.session)
         await _references(bus, state, full=args.full)

@@ -103,3 +103,18 @@ async def test_a_call_the_janitor_ended_is_not_run_by_its_named_instance_later(
     assert executor.runs == 0 and not effects.exists()
     events = [s.event for s in await log.read_session(sid)]
     assert len(of_type(events, "call.failed")) == 1 and not of_type(events, "call.started")
+
+
+async def test_a_result_over_the_result_cap_fails_and_stores_nothing(bus, client, sid) -> None:
+    executor = Executor(bus, load_tools(str(TESTS / "toolkit.py")), instance="capped",
+                        pool="capped", max_result=300_000)
+    await executor.start()
+    try:
+        for args in ({"size": 300_001}, {"size": 200_000, "fill": "\x01"}):  # str; escaped
+            end = await client.call(sid, [{"tool": "testing:blob", "arguments": args,
+                                           "_delegate": "capped"}], timeout=15)
+            out = end.outcomes[0]
+            assert out.status == "failed" and out.error.error_type == "result_too_large"
+            assert "300,000 bytes are not stored" in out.error.message
+    finally:
+        await executor.stop()
