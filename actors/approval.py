@@ -150,7 +150,8 @@ def pending_of(call: CallState, session_id: str) -> PendingApproval | None:
 
 
 def decide_human(call: CallState | None, body: HumanDecision, *, session_id: str,
-                 call_id: str, now: float) -> ApprovalGranted | ApprovalDenied:
+                 call_id: str, now: float, principal: str | None = None
+                 ) -> ApprovalGranted | ApprovalDenied:
     """A human's decision on a call, as the event to store; `RpcError` if it cannot be
     taken (unknown call, not waiting, already decided, expired)."""
     if len(body.by) > 128 or len(body.note or "") > 4000 or len(body.reason or "") > 4000:
@@ -167,9 +168,11 @@ def decide_human(call: CallState | None, body: HumanDecision, *, session_id: str
         raise RpcError("conflict", "already decided: the approval timed out")
     if body.decision == "approve":
         return ApprovalGranted(session_id=session_id, at=now, actor=ACTOR, call_id=call_id,
-                               turn_id=call.turn_id, by=body.by, note=body.note)
+                               turn_id=call.turn_id, by=body.by, note=body.note,
+                               principal=principal)
     return ApprovalDenied(session_id=session_id, at=now, actor=ACTOR, call_id=call_id,
-                          turn_id=call.turn_id, by=body.by, reason=body.reason or "")
+                          turn_id=call.turn_id, by=body.by, reason=body.reason or "",
+                          principal=principal)
 
 
 def expire(call: CallState, session_id: str, *, now: float) -> ApprovalDenied:
@@ -199,7 +202,7 @@ class ApprovalActor:
             ConsumerSpec(EVENTS_STREAM, "approval", (f"{EVENTS_PREFIX}.*.call.requested",),
                          ack_wait_s=ACK_WAIT_S * 10),
             self._on_requested, self._reject, ordered=False))
-        self._rpc = Responder(bus, f"{APPROVAL_PREFIX}.*.*", self._on_decision,
+        self._rpc = Responder(bus, f"{APPROVAL_PREFIX}.*.*.*", self._on_decision,
                               queue="approval")
         self._sweeper: asyncio.Task[None] | None = None
         # Calls decided inline by the session actor of this process: the consumer acks
@@ -308,10 +311,10 @@ class ApprovalActor:
 
     async def _on_decision(self, subject: str, data: bytes) -> bytes:
         parts = subject[len(APPROVAL_PREFIX) + 1:].split(".")
-        if len(parts) != 2 or not all(is_token(p) for p in parts):
-            raise RpcError("invalid",
-                           f"{subject}: expected toolbus.approval.<session>.<call_id>")
-        sid, call_id = parts
+        if len(parts) != 3 or not all(is_token(p) for p in parts):
+            raise RpcError("invalid", f"{subject}: expected "
+                                      "toolbus.approval.<session>.<call_id>.<principal>")
+        sid, call_id, principal = parts
         try:
             body = msgspec.json.decode(data, type=HumanDecision)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
@@ -324,7 +327,8 @@ class ApprovalActor:
         if call is not None and call.human_decision is None and \
                 call.approval_expires_at is not None and now >= call.approval_expires_at:
             call = await self._store_decision(expire(call, sid, now=now))
-        event = decide_human(call, body, session_id=sid, call_id=call_id, now=now)
+        event = decide_human(call, body, session_id=sid, call_id=call_id, now=now,
+                             principal=principal)
         after = await self._store_decision(event)
         if after.human_decision != _KIND[type(event)] or after.decided_by != event.by:
             raise RpcError("conflict", _already(after), decision=after.human_decision)

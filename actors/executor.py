@@ -70,9 +70,19 @@ _INSTANCE_ROUTE = instance_route("x", "x").split(".", 1)[0] + "."
 _json = msgspec.json.Encoder()
 
 
-def default_instance_name() -> str:
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:100]
-    return f"{host}-{os.getpid()}"
+def default_instance_name(pool: str | None = None) -> str:
+    """`<host>-<pid>`, or `<host>-<pid>-<pool>` for the executor of one pool: unique on
+    the host as long as each process runs one executor per pool (the runtime names its
+    MCP connector's apart, services/runtime.py)."""
+    suffix = f"-{os.getpid()}" + (f"-{pool}" if pool else "")
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:max(1, 128 - len(suffix))]
+    return f"{host}{suffix}"[:128]
+
+
+# The executors started in this process, by instance name. A name is both a presence
+# entry in `toolbus_executors` and an `_instance` route: two executors sharing one would
+# overwrite each other's presence and split each other's named calls.
+_RUNNING: dict[str, Executor] = {}
 
 
 class Executor:
@@ -98,7 +108,7 @@ class Executor:
         self._max_inline_result = max_inline_result
         self._max_result = max_result
         self._catalog = Catalog(bus)
-        self.instance = check_namespace(instance or default_instance_name())
+        self.instance = check_namespace(instance or default_instance_name(pool))
         self._pool = check_namespace(pool)
         self._tools = index_tools(with_pool(t, pool) for t in tools)
         self._register = register
@@ -156,13 +166,28 @@ class Executor:
         return hit[1]
 
     async def start(self) -> None:
-        if self._register:
-            await self._catalog.register([t.spec for t in self._tools.values()])
-        await self._resources.__aenter__()
+        other = _RUNNING.get(self.instance)
+        if other is not None and other is not self:
+            raise ConfigError(f"executor instance name {self.instance} is already taken in "
+                              f"this process (pool {other.pool}); give each executor its own "
+                              "name")
+        _RUNNING[self.instance] = self
         try:
-            await self._kernel.start()
-            await self._announce()
+            if self._register:
+                await self._catalog.register([t.spec for t in self._tools.values()])
+            await self._resources.__aenter__()
         except BaseException:
+            _RUNNING.pop(self.instance, None)
+            raise
+        try:
+            # Present before it consumes: the janitor ends the calls of routes with no
+            # live executor, and must not take this one, starting, for gone.
+            await self._announce()
+            await self._kernel.start()
+        except BaseException:
+            _RUNNING.pop(self.instance, None)
+            with contextlib.suppress(Exception):
+                await self._catalog.retire(self.instance)
             await self._resources.__aexit__(None, None, None)
             raise
         self._heartbeat = asyncio.create_task(self._keep_announcing(), name="executor-announce")
@@ -176,6 +201,8 @@ class Executor:
         # Only now: while it drains, the instance still runs the calls it holds.
         with contextlib.suppress(Exception):  # best effort: the entry expires anyway
             await self._catalog.retire(self.instance)
+        if _RUNNING.get(self.instance) is self:
+            del _RUNNING[self.instance]
         await self._resources.__aexit__(None, None, None)
 
     async def _announce(self) -> None:
@@ -222,7 +249,10 @@ class Executor:
         # A call sent to this instance by name may have been ended by the janitor while
         # this instance's presence had lapsed: look before running it, as for a redelivery.
         named = d.route.startswith(_INSTANCE_ROUTE)
-        if attempt > 1 or age_s > _STALE_DELIVERY_S or named:
+        # So may one older than its timeout: the janitor ends a call whose route had no
+        # live executor once its timeout has passed.
+        timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000
+        if attempt > 1 or age_s > min(_STALE_DELIVERY_S, timeout_s) or named:
             # It may have run already: the session's state says how far it got.
             call = (await self._states.current(d.session_id)).state.calls.get(d.call_id)
             if call is not None and call.terminal:

@@ -10,8 +10,11 @@ Emits: `call.started`, then `call.succeeded` / `call.failed`.
 Each server has one `McpLink` (actors/mcp_link.py), which keeps its connection alive and
 lists its tools; this actor registers them in the catalog as `<id>:<tool>`, removes those
 the server no longer lists, and hands them to the executor loop of the server's pool.
-A call in flight when a connection drops is retried once if the tool is read-only or
-idempotent; otherwise it ends `interrupted`.
+Retry rule (the link's): a call the server refused without running it (a stale session)
+or that was in flight when the connection dropped is sent again once if the tool is
+read-only or idempotent; otherwise it ends `server_unavailable` (retryable) or
+`interrupted` respectively. Start-up connects to every server at once, each bounded by its
+`connect_timeout_s`; one that fails stops the others, and cancelling it stops them all.
 """
 
 from __future__ import annotations
@@ -80,7 +83,13 @@ class McpConnector:
 
     async def start(self) -> None:
         try:
-            await asyncio.gather(*(link.start() for link in self.links.values()))
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for link in self.links.values():
+                        tg.create_task(link.start(), name=f"mcp-start-{link.cfg.id}")
+            except BaseExceptionGroup as group:
+                # The first server that failed; the others were stopped meanwhile.
+                raise group.exceptions[0] from None
             self._booting = False
             for executor in self.executors.values():
                 await executor.start()

@@ -3,12 +3,30 @@ executor runs them.
 
 Each server has one `McpLink`, a supervisor task that owns its `mcp.Client` (the SDK never
 reconnects by itself): connect, list every page of tools, hand them to `on_tools` (the
-connector registers them as `<id>:<tool>`), then watch. A dropped connection, a dead stdio
-process or a failed refresh ends the session; the link reconnects with backoff and a fresh
-session, and re-lists the tools. Only calls for that server notice. A call in flight when
-the connection drops is retried once on the new session if the tool is read-only or
-idempotent (`McpTool`); otherwise it ends `interrupted`, since the server may or may not
-have acted on it.
+connector registers them as `<id>:<tool>`), then watch. Start-up is bounded by
+`connect_timeout_s` and can be cancelled at any moment (Ctrl-C): a stdio server that never
+answers `initialize` is stopped, never left behind. A stdio server that exits at start-up
+is reported with its exit code and the last lines of its stderr.
+
+Healing. A session ends when its connection drops, its stdio process exits, a refresh
+fails, or it goes stale: an HTTP 400/404 answering a known session id (a stateful server
+that restarted and forgot its `Mcp-Session-Id`). The link then reconnects at once with a
+fresh session (with backoff while that fails) and re-lists the tools. Only calls for that
+server notice, and how a call ends depends on what the server may have done with it:
+
+- refused without being run (400/404 on the stale session, or the connection refused):
+  a read-only or idempotent tool is sent again once, on the new session; any other ends
+  `server_unavailable`, retryable (it did not run, so the caller may send it again);
+- in flight when the connection dropped: a read-only or idempotent tool is sent again
+  once; any other ends `interrupted`, since the server may or may not have acted on it.
+
+Deadlines. A call fails `timeout` after `timeout_ms` without a progress notification;
+each notification pushes the deadline out again, never past `max_timeout_ms` from the
+call's start (the executor's own limit, the catalog's `timeout_ms` for these tools).
+
+Results. Structured content as is; text content as text; a result with an image, audio or
+a binary resource is MCP's own result shape, `{"content": [...]}` (binary data base64
+with its `mimeType`), which the executor moves to the object store when it is large.
 
 Tool list changes (`notifications/tools/list_changed`, or a `subscriptions/listen` event
 on 2026-07-28 servers, or the periodic refresh) are handed to `on_tools` again.
@@ -21,18 +39,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
-from collections.abc import Awaitable, Callable, Mapping
+import signal
+import sys
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx2
 import mcp
 import mcp.types as mt
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.client.sse import sse_client
+from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
 
 from actors.tools import ProgressFn, Resource, ToolError
 from schemas.errors import ConnectError, ToolbusError
@@ -43,8 +69,15 @@ from schemas.tools import Annotations, ToolSpec
 log = logging.getLogger("toolbus.mcp")
 
 _CONNECTION_CLOSED = -32000
+_REQUEST_TIMEOUT = -32001
 _MAX_PAGES = 1000
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
+_STOP_WAIT_S = 5.0  # for a session's teardown (a stdio server's takes at most ~2 s)
+# A stdio server gets this long to exit after its stdin closes (the MCP shutdown
+# sequence), then SIGTERM, then after as long again SIGKILL, to its whole process group.
+_STDIO_EXIT_GRACE_S = 1.0
+_STDIO_KILL_AFTER_S = 1.0
+_STDERR_TAIL_LINES, _STDERR_SHOWN_LINES, _STDERR_LINE_CHARS = 20, 5, 240
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     httpx2.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
     anyio.EndOfStream, ConnectionError, EOFError,
@@ -57,12 +90,47 @@ class McpUnavailableError(ConnectError):
     def __init__(self, server: str, tried: str, detail: str) -> None:
         self.server = server
         self.tried = tried
+        self.detail = detail
         ToolbusError.__init__(self, f"MCP server {server} is unreachable: tried {tried}: "
                                     f"{detail}. Start it, or fix mcps[{server}] in the manifest")
 
 
 class _ConnectionLost(Exception):
-    pass
+    """The session ended while the call was in flight: the server may have run it."""
+
+
+class _NotRun(Exception):
+    """The server refused the call without running it."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass
+class _Attempt:
+    """One `tools/call` request. The HTTP transports send each message in its sender's
+    context (`_attempt`), so what happened to this request's POST lands here."""
+
+    not_run: str | None = None
+
+
+_attempt: ContextVar[_Attempt | None] = ContextVar("toolbus_mcp_attempt", default=None)
+_Inbound = MemoryObjectSendStream[SessionMessage | Exception]
+_Streams = tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
+                 MemoryObjectSendStream[SessionMessage]]
+
+
+class _Session:
+    """One connection to the server, from connect to teardown."""
+
+    def __init__(self) -> None:
+        self.client: mcp.Client | None = None
+        self.established = False  # the handshake is done
+        self.broken = False  # ended, or ending: no new call takes it
+        self.lost = asyncio.Event()  # set once it is torn down
+        self.stale: str | None = None  # why the server no longer knows it
+        self.process: _StdioServer | None = None
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -73,12 +141,225 @@ def _is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, _TRANSPORT_ERRORS)
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_is_timeout(e) for e in exc.exceptions)
+    return isinstance(exc, TimeoutError)
+
+
 def _describe_error(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe_error(e) for e in exc.exceptions)
+        return "; ".join(dict.fromkeys(_describe_error(e) for e in exc.exceptions))
     if isinstance(exc, TimeoutError):
         return "no answer in time"
+    if isinstance(exc, httpx2.ConnectError):
+        return f"cannot connect: {exc}" if str(exc) else "cannot connect"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# --- HTTP ---------------------------------------------------------------------------------
+
+
+class _WatchedTransport(httpx2.AsyncBaseTransport):
+    """The HTTP transport of one session, which notes what the SDK does not report: a
+    message that never reached the server (the statuses are noted by a response hook)."""
+
+    def __init__(self, link: McpLink, session: _Session) -> None:
+        self._inner = httpx2.AsyncHTTPTransport()
+        self._link = link
+        self._session = session
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx2.ConnectError:
+            if request.method == "POST":
+                self._link._not_run(self._session, "the server could not be reached")
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _http_timeout(cfg: McpServerConfig) -> httpx2.Timeout:
+    # A response stream may stay open for as long as a call runs.
+    return httpx2.Timeout(min(cfg.connect_timeout_s, 30.0), read=max(cfg.max_timeout_s, 300.0))
+
+
+# --- stdio --------------------------------------------------------------------------------
+
+
+class _StdioServer:
+    """A stdio MCP server: a child process in its own process group, whose stdin and
+    stdout carry the session, and whose stderr is passed on with its last lines kept.
+
+    Not the SDK's `stdio_client`: it hides the process (no exit code to report), sends
+    stderr straight to a file, and its shielded shutdown can hang under asyncio
+    cancellation, leaving a server that never answered `initialize` behind. Here a
+    shutdown that is itself cancelled kills the process group at once, without awaiting.
+    """
+
+    def __init__(self, cfg: McpServerConfig, env: Mapping[str, str], *,
+                 on_exit: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self._env = env
+        self._on_exit = on_exit
+        self.returncode: int | None = None
+        self.exited = False  # by itself, not stopped by us
+        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._stopping = False
+        self._eof = False  # its stdout ended before we stopped it
+
+    def exit_text(self) -> str:
+        code = self.returncode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def tail_text(self) -> str:
+        lines = [line for line in self.stderr_tail if line.strip()][-_STDERR_SHOWN_LINES:]
+        return " | ".join(lines)
+
+    @contextlib.asynccontextmanager
+    async def streams(self) -> AsyncIterator[_Streams]:
+        cfg = self.cfg
+        assert cfg.command is not None
+        proc = await asyncio.create_subprocess_exec(
+            cfg.command, *cfg.args, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**get_default_environment(), **self._env}, cwd=cfg.cwd,
+            start_new_session=True)  # its own group: Ctrl-C is ours to pass on, or not
+        try:  # no await before this: a cancellation must not leak the process
+            read_send, read_recv = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+            write_send, write_recv = anyio.create_memory_object_stream[SessionMessage](0)
+            stderr = asyncio.create_task(self._read_stderr(proc), name=f"mcp-{cfg.id}-stderr")
+            tasks = [asyncio.create_task(self._read_stdout(proc, read_send),
+                                         name=f"mcp-{cfg.id}-stdout"),
+                     asyncio.create_task(self._write_stdin(proc, write_recv, read_send),
+                                         name=f"mcp-{cfg.id}-stdin")]
+        except BaseException:
+            _signal_group(proc, signal.SIGKILL)
+            raise
+        try:
+            yield read_recv, write_send
+        finally:
+            self._stopping = True
+            died = self._eof  # the session failed because the process ended
+            try:
+                await self._stop(proc)
+                self.exited = self.exited or died
+                # Its last stderr lines: the pipe ends with the process (bounded: a
+                # grandchild may still hold it).
+                await asyncio.wait({stderr}, timeout=0.5)
+            except BaseException:
+                _signal_group(proc, signal.SIGKILL)  # cancelled while stopping it
+                raise
+            finally:
+                for t in [*tasks, stderr]:
+                    t.cancel()
+                for s in (read_send, read_recv, write_send, write_recv):
+                    s.close()
+                # The subprocess transport otherwise stays open (and warns when collected)
+                # while a grandchild holds a pipe end; nothing public closes it.
+                transport = getattr(proc, "_transport", None)
+                if transport is not None:
+                    transport.close()
+
+    async def _stop(self, proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is None:
+            if proc.stdin is not None:  # the MCP shutdown sequence: stdin first
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            if not await _exited(proc, _STDIO_EXIT_GRACE_S):
+                _signal_group(proc, signal.SIGTERM)
+                if not await _exited(proc, _STDIO_KILL_AFTER_S):
+                    _signal_group(proc, signal.SIGKILL)
+                    await _exited(proc, 2.0)
+        if self.returncode is None:
+            self.returncode = proc.returncode
+
+    async def _read_stdout(self, proc: asyncio.subprocess.Process, out: _Inbound) -> None:
+        assert proc.stdout is not None
+        try:
+            async for line in _lines(proc.stdout):
+                if not line.strip():
+                    continue
+                try:
+                    item: SessionMessage | Exception = SessionMessage(
+                        mt.jsonrpc_message_adapter.validate_json(line, by_name=False))
+                except ValueError as exc:
+                    log.warning("MCP server %s wrote a line that is not JSON-RPC: %.200r",
+                                self.cfg.id, line)
+                    item = exc
+                await out.send(item)
+            self._eof = True
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return  # the session is gone
+        finally:
+            out.close()  # the session sees the end of the connection
+        # stdout ended: the process is exiting (or closed it, which ends the session too).
+        await _exited(proc, 2.0)
+        if not self._stopping:
+            self.returncode = proc.returncode
+            self.exited = proc.returncode is not None
+            self._on_exit()
+
+    async def _write_stdin(self, proc: asyncio.subprocess.Process,
+                           inbox: MemoryObjectReceiveStream[SessionMessage],
+                           out: _Inbound) -> None:
+        assert proc.stdin is not None
+        try:
+            async for message in inbox:
+                data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                proc.stdin.write(data.encode() + b"\n")
+                await proc.stdin.drain()
+        except (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            out.close()  # it cannot read: end the session rather than let calls hang
+
+    async def _read_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        async for raw in _lines(proc.stderr):
+            line = raw.decode(errors="replace").rstrip("\r")
+            self.stderr_tail.append(line[:_STDERR_LINE_CHARS])
+            with contextlib.suppress(OSError, ValueError):  # our own stderr is gone
+                sys.stderr.write(f"[mcp {self.cfg.id}] {line}\n")
+                sys.stderr.flush()
+
+
+async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """Lines of any length (`readline` stops at the reader's limit, 64 KiB)."""
+    pending: list[bytes] = []
+    while chunk := await stream.read(1 << 16):
+        parts = chunk.split(b"\n")
+        if len(parts) == 1:
+            pending.append(chunk)
+            continue
+        yield b"".join([*pending, parts[0]])
+        for part in parts[1:-1]:
+            yield part
+        pending = [parts[-1]] if parts[-1] else []
+    if pending:
+        yield b"".join(pending)
+
+
+async def _exited(proc: asyncio.subprocess.Process, within_s: float) -> bool:
+    # Polled: `proc.wait()` also waits for the pipes to close, which a grandchild holding
+    # them delays for as long as it lives.
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while proc.returncode is None and loop.time() < end:  # noqa: ASYNC110  # see above
+        await asyncio.sleep(0.02)
+    return proc.returncode is not None
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """Signal the server and everything it started (`npx` → `node`, `uv run` → python)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+# --- the link -----------------------------------------------------------------------------
 
 
 class McpLink:
@@ -89,11 +370,10 @@ class McpLink:
         self.cfg = cfg
         self._env = env
         self._on_tools = on_tools
-        self._client: mcp.Client | None = None
-        self._ready = asyncio.Event()
-        self._lost = asyncio.Event()  # replaced for every session
+        self._live: _Session | None = None  # the session calls take
+        self._current: _Session | None = None  # the session being opened or run
+        self._ready = asyncio.Event()  # set while `_live` is
         self._wake = asyncio.Event()  # refresh now (list_changed) or the session broke
-        self._broken = False
         self._task: asyncio.Task[None] | None = None
         self._first: asyncio.Future[None] | None = None
         self._refused: int | None = None
@@ -103,52 +383,116 @@ class McpLink:
     # -- lifecycle
 
     async def start(self) -> None:
-        """Connect and list the tools, or raise `McpUnavailableError` within the
-        connect timeout."""
+        """Connect and list the tools, or raise `McpUnavailableError` within
+        `connect_timeout_s` (plus the teardown of what was started). Cancelling it stops
+        everything it started."""
         self._first = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._supervise(), name=f"mcp-{self.cfg.id}")
         try:
+            # The session bounds itself; this is a safety net for a teardown that hangs.
             await asyncio.wait_for(asyncio.shield(self._first),
-                                   self.cfg.connect_timeout_ms / 1000 + 1)
-        except (TimeoutError, McpUnavailableError) as exc:
+                                   self.cfg.connect_timeout_s + 2 * _STOP_WAIT_S)
+        except TimeoutError as exc:
             await self.stop()
-            if isinstance(exc, McpUnavailableError):
-                raise
             raise McpUnavailableError(self.cfg.id, self.cfg.describe(),
-                                      f"no session within {self.cfg.connect_timeout_ms} ms"
-                                      ) from exc
+                                      f"no session within {self.cfg.connect_timeout_s:g} s "
+                                      "(connect_timeout_s)") from exc
+        except BaseException:
+            await self.stop()
+            raise
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop the supervisor and its session; bounded, even for a server that does not
+        answer."""
+        task, self._task = self._task, None
+        if self._first is not None and not self._first.done():
+            self._first.cancel()
+        if task is None:
+            return
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=_STOP_WAIT_S)
+        if not done:  # a teardown stuck on the network: interrupt that too
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=_STOP_WAIT_S)
+        if not done:
+            log.warning("MCP server %s: its connection did not close in time", self.cfg.id)
+        elif not task.cancelled() and task.exception() is not None:
+            log.warning("MCP server %s: the supervisor failed: %s", self.cfg.id,
+                        _describe_error(task.exception() or Exception()))
 
-    def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+    def _transport(self, s: _Session, stack: contextlib.AsyncExitStack) -> Any:
         cfg = self.cfg
         if cfg.transport == "stdio":
-            assert cfg.command is not None
-            return mcp.StdioServerParameters(command=cfg.command, args=list(cfg.args),
-                                             env={**self._env, **cfg.env}, cwd=cfg.cwd)
+            s.process = _StdioServer(cfg, {**self._env, **cfg.env},
+                                     on_exit=lambda: self.mark_broken(s))
+            return s.process.streams()
         assert cfg.url is not None
+
+        async def on_response(response: httpx2.Response) -> None:
+            self._http_status(s, response.request, response.status_code)
+
+        def http_client(headers: dict[str, str] | None = None,
+                        timeout: httpx2.Timeout | None = None,
+                        auth: httpx2.Auth | None = None) -> httpx2.AsyncClient:
+            return httpx2.AsyncClient(headers=headers, timeout=timeout or _http_timeout(cfg),
+                                      auth=auth, transport=_WatchedTransport(self, s),
+                                      event_hooks={"response": [on_response]})
+
         if cfg.transport == "sse":
             return sse_client(cfg.url, headers=cfg.http_headers,
-                              timeout=cfg.connect_timeout_ms / 1000)
-        http = create_mcp_http_client(headers=cfg.http_headers)
+                              timeout=min(cfg.connect_timeout_s, 30.0),
+                              sse_read_timeout=max(cfg.max_timeout_s, 300.0),
+                              httpx_client_factory=http_client)
+        http = http_client(headers=cfg.http_headers)
         stack.push_async_callback(http.aclose)  # the SDK closes only clients it made itself
-        http.event_hooks["response"].append(self._note_refusal)
         return streamable_http_client(cfg.url, http_client=http)
 
-    async def _note_refusal(self, response: httpx2.Response) -> None:
-        # The SDK reports a refused request as "Server returned an error response"; keep
-        # the status, so an error can say "HTTP 401: check api_key".
-        if response.status_code in (401, 403):
-            self._refused = response.status_code
+    def _http_status(self, s: _Session, request: httpx2.Request, status: int) -> None:
+        if status in (401, 403):
+            # The SDK reports a refused request as "Server returned an error response";
+            # keep the status, so an error can say "HTTP 401: check api_key".
+            self._refused = status
+            return
+        if status not in (400, 404) or request.method == "DELETE":
+            return
+        # 404 is how the spec says "no such session"; servers built like the TypeScript
+        # SDK's examples say 400 "No valid session ID". SSE sessions live on the server.
+        if "mcp-session-id" in request.headers or (self.cfg.transport == "sse"
+                                                   and request.method == "POST"):
+            reason = (f"HTTP {status} for its session: the server no longer knows it "
+                      "(it restarted, or expired the session)")
+            s.stale = reason
+            self._not_run(s, reason)
+
+    def _not_run(self, s: _Session, reason: str) -> None:
+        attempt = _attempt.get()
+        if attempt is not None and attempt.not_run is None:
+            attempt.not_run = reason
+        self.mark_broken(s)
 
     async def _message(self, message: Any) -> None:
         if isinstance(message, mt.ToolListChangedNotification):
             self._wake.set()  # 2025-era servers notify on the session itself
+
+    def _failure(self, s: _Session | None, exc: BaseException) -> str:
+        """Why a session failed or ended, in one line, for people."""
+        proc = s.process if s is not None else None
+        if proc is not None and proc.exited:
+            text = f"the server process {proc.exit_text()}"
+            if s is not None and not s.established:
+                text += " before it answered initialize"
+        elif s is not None and not s.established and _is_timeout(exc):
+            text = (f"no answer to initialize within {self.cfg.connect_timeout_s:g} s "
+                    "(connect_timeout_s)")
+        else:
+            text = _describe_error(exc)
+        if proc is not None and proc.tail_text():
+            text += f"; its stderr ended with: {proc.tail_text()}"
+        if self._refused is not None:
+            text = (f"HTTP {self._refused}: the server refused the credentials (check "
+                    f"api_key / headers); {text}")
+            self._refused = None
+        return text
 
     async def _supervise(self) -> None:
         backoff = _BACKOFF_MIN_S
@@ -156,65 +500,75 @@ class McpLink:
             try:
                 await self._session()
                 backoff = _BACKOFF_MIN_S  # the session ran and ended: retry at once
+                s = self._current
+                if s is not None and s.process is not None and s.process.exited:
+                    self.last_error = self._failure(s, EOFError())
+                    log.warning("MCP server %s: %s; restarting it", self.cfg.id,
+                                self.last_error)
+                elif s is not None and s.stale is not None:
+                    log.info("MCP server %s: %s; reconnecting", self.cfg.id, s.stale)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # any failure ends one session only
-                self.last_error = _describe_error(exc)
-                if self._refused is not None:
-                    self.last_error = (f"HTTP {self._refused}: the server refused the "
-                                       f"credentials (check api_key / headers); "
-                                       f"{self.last_error}")
-                    self._refused = None
-                if self._first is not None and not self._first.done():
-                    self._first.set_exception(McpUnavailableError(
-                        self.cfg.id, self.cfg.describe(), self.last_error))
-                    self._first.exception()  # retrieved by start(); never "never retrieved"
-                    return
-                log.warning("MCP server %s: session ended (%s); reconnecting in %.1f s",
-                            self.cfg.id, self.last_error, backoff)
-            finally:
-                self._client = None
-                self._ready.clear()
-                self._lost.set()
+                s = self._current
+                if s is not None and s.stale is not None and s.client is not None:
+                    # Ended on purpose; what its teardown raised is noise.
+                    self.last_error = s.stale
+                    log.info("MCP server %s: %s; reconnecting", self.cfg.id, s.stale)
+                    backoff = _BACKOFF_MIN_S
+                else:
+                    self.last_error = self._failure(s, exc)
+                    if self._first is not None and not self._first.done():
+                        self._first.set_exception(McpUnavailableError(
+                            self.cfg.id, self.cfg.describe(), self.last_error))
+                        self._first.exception()  # retrieved by start(); never "never retrieved"
+                        return
+                    log.warning("MCP server %s: session ended (%s); reconnecting in %.1f s",
+                                self.cfg.id, self.last_error, backoff)
             await asyncio.sleep(backoff * (0.5 + random.random()))  # jitter
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _session(self) -> None:
         cfg = self.cfg
-        self._lost = asyncio.Event()
-        self._broken = False
-        async with contextlib.AsyncExitStack() as stack:
-            client = mcp.Client(self._transport(stack), message_handler=self._message,
-                                cache=None, read_timeout_seconds=cfg.timeout_ms / 1000)
-            async with asyncio.timeout(cfg.connect_timeout_ms / 1000):
-                await stack.enter_async_context(client)
-                tools = await self._list_all(client)
-            await self._on_tools(self, tools)
-            self._client = client
-            self.sessions += 1
-            self.last_error = None
-            self._ready.set()
-            if self._first is not None and not self._first.done():
-                self._first.set_result(None)
-            listener = None
-            if client.protocol_version >= "2026-07-28":
-                listener = asyncio.create_task(self._listen(client))
-            try:
-                while not self._broken:
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), cfg.refresh_s)
-                    if self._broken:
-                        break
-                    await self._on_tools(self, await self._list_all(client))
-            finally:
-                if listener is not None:
-                    listener.cancel()
-                    with contextlib.suppress(BaseException):
-                        await listener
-                self._client = None
-                self._ready.clear()
-                self._lost.set()
+        s = self._current = _Session()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                client = mcp.Client(self._transport(s, stack), message_handler=self._message,
+                                    cache=None, read_timeout_seconds=cfg.timeout_s)
+                async with asyncio.timeout(cfg.connect_timeout_s):
+                    await stack.enter_async_context(client)
+                    s.established = True
+                    tools = await self._list_all(client)
+                await self._on_tools(self, tools)
+                if s.broken:
+                    return
+                s.client = client
+                self._live = s
+                self.sessions += 1
+                self.last_error = None
+                self._ready.set()
+                if self._first is not None and not self._first.done():
+                    self._first.set_result(None)
+                listener = None
+                if client.protocol_version >= "2026-07-28":
+                    listener = asyncio.create_task(self._listen(client))
+                try:
+                    while not s.broken:
+                        self._wake.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), cfg.refresh_s)
+                        if s.broken:
+                            break
+                        await self._on_tools(self, await self._list_all(client))
+                finally:
+                    self.mark_broken(s)
+                    if listener is not None:
+                        listener.cancel()
+                        with contextlib.suppress(BaseException):
+                            await listener
+        finally:
+            self.mark_broken(s)
+            s.lost.set()
 
     async def _listen(self, client: mcp.Client) -> None:
         try:
@@ -238,58 +592,77 @@ class McpLink:
                 return tools
         raise ToolbusError(f"tools/list returned more than {_MAX_PAGES} pages")
 
-    def mark_broken(self, lost: asyncio.Event) -> None:
-        """The session whose `lost` event this is failed a call: end it now, and let no
-        new call take it while the supervisor tears it down."""
-        if lost is self._lost and not lost.is_set():
-            self._broken = True
+    def mark_broken(self, s: _Session) -> None:
+        """End session `s` (it failed a call, went stale, or its process exited), and let
+        no new call take it while the supervisor tears it down."""
+        if s.broken:
+            return
+        s.broken = True
+        if self._live is s:
+            self._live = None
             self._ready.clear()
-            self._client = None
-            self._wake.set()
+        self._wake.set()
 
     # -- calls
 
-    async def _ready_client(self, wait_s: float) -> tuple[mcp.Client, asyncio.Event]:
-        if not self._ready.is_set():
+    async def _ready_session(self, wait_s: float) -> _Session:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        while self._live is None:
             try:
-                await asyncio.wait_for(self._ready.wait(), wait_s)
+                await asyncio.wait_for(self._ready.wait(), max(end - loop.time(), 0))
             except TimeoutError:
                 raise ToolError(
                     f"MCP server {self.cfg.id} is unreachable ({self.cfg.describe()}"
                     f"{': ' + self.last_error if self.last_error else ''}); toolbus keeps "
                     "reconnecting", error_type="server_unavailable", retryable=True) from None
-        assert self._client is not None
-        return self._client, self._lost
+        return self._live
 
     async def call(self, name: str, arguments: dict[str, Any], *,
-                   progress: ProgressFn | None) -> mt.CallToolResult:
-        """One `tools/call` on the current session; `_ConnectionLost` if it dies first."""
-        client, lost = await self._ready_client(self.cfg.connect_timeout_ms / 1000)
-
+                   progress: ProgressFn | None, wait_s: float | None = None
+                   ) -> mt.CallToolResult:
+        """One `tools/call` on the current session (waiting up to `wait_s`, default
+        `connect_timeout_s`, for one). `_NotRun` if the server refused it without running
+        it, `_ConnectionLost` if the session died while it ran."""
+        s = await self._ready_session(self.cfg.connect_timeout_s if wait_s is None else wait_s)
+        client = s.client
+        assert client is not None
+        attempt = _Attempt()
         report = progress
 
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             if report is not None:
                 report()
 
-        call = asyncio.ensure_future(client.call_tool(name, arguments,
-                                                      progress_callback=on_progress))
-        gone = asyncio.ensure_future(lost.wait())
+        async def send() -> mt.CallToolResult:
+            _attempt.set(attempt)  # this task's context: the transport sends in it
+            # The deadline is the caller's (McpTool.run); the SDK's own is only a backstop.
+            return await client.call_tool(name, arguments,
+                                          read_timeout_seconds=self.cfg.max_timeout_s + 5,
+                                          progress_callback=on_progress)
+
+        call = asyncio.ensure_future(send())
+        gone = asyncio.ensure_future(s.lost.wait())
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for f in (call, gone):
                 if not f.done():
                     f.cancel()
-        if not call.done() or call.cancelled():
-            raise _ConnectionLost()
-        exc = call.exception()
-        if exc is None:
+        exc = call.exception() if call.done() and not call.cancelled() else None
+        if call.done() and not call.cancelled() and exc is None:
             return call.result()
-        if _is_connection_error(exc):
-            self.mark_broken(lost)
+        if attempt.not_run is not None:
+            raise _NotRun(attempt.not_run) from exc
+        if exc is None or _is_connection_error(exc):
+            self.mark_broken(s)
             raise _ConnectionLost() from exc
         if isinstance(exc, MCPError):
+            if s.stale is not None:  # answered on a session the server has forgotten
+                raise _NotRun(s.stale) from exc
+            if exc.code == _REQUEST_TIMEOUT:
+                raise ToolError(f"MCP server {self.cfg.id} did not answer {name} in time",
+                                error_type="timeout", retryable=True) from exc
             raise ToolError(f"MCP server {self.cfg.id} refused {name}: {exc}",
                             error_type="mcp_error") from exc
         raise exc
@@ -327,7 +700,9 @@ def mcp_spec(cfg: McpServerConfig, tool: mt.Tool) -> ToolSpec | None:
         # The annotations add to the policy's risk score themselves; the level only says
         # whether the tool reads or writes.
         risk_level="low" if read_only else "medium",
-        timeout_ms=cfg.timeout_ms,
+        # The executor's hard limit; McpTool.run keeps the shorter deadline that progress
+        # notifications push out.
+        timeout_ms=round(cfg.max_timeout_s * 1000),
         source=f"mcp:{cfg.id}",
         pools=[cfg.pool],
         trusted=cfg.trusted,
@@ -349,25 +724,77 @@ class McpTool:
 
     async def run(self, arguments: dict[str, Any], resources: dict[Resource, Any] | None = None,
                   *, progress: ProgressFn | None = None) -> Any:
+        cfg = self.link.cfg
+        loop = asyncio.get_running_loop()
+        hard = loop.time() + cfg.max_timeout_s
+        deadline = asyncio.timeout_at(min(loop.time() + cfg.timeout_s, hard))
+
+        def on_progress() -> None:
+            deadline.reschedule(min(loop.time() + cfg.timeout_s, hard))
+            if progress is not None:
+                progress()
+
+        try:
+            async with deadline:
+                return await self._attempts(arguments, on_progress, deadline)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            if loop.time() >= hard:
+                message = (f"{self.spec.name} did not finish within max_timeout_ms "
+                           f"({cfg.max_timeout_s:g} s), although it kept reporting progress")
+            else:
+                message = (f"{self.spec.name} sent no progress for {cfg.timeout_s:g} s "
+                           "(timeout_ms) and did not finish")
+            raise ToolError(message, error_type="timeout", retryable=True) from None
+
+    async def _attempts(self, arguments: dict[str, Any], progress: ProgressFn,
+                        deadline: asyncio.Timeout) -> Any:
+        server = self.link.cfg.id
         for attempt in (1, 2):
+            # A session (or a reconnection) is waited for within what is left of the
+            # call's time, so a call that never reached the server says so, not `timeout`.
+            left = (deadline.when() or 0.0) - asyncio.get_running_loop().time()
+            wait_s = max(min(self.link.cfg.connect_timeout_s, left - 0.05), 0.0)
             try:
-                result = await self.link.call(self.remote_name, arguments, progress=progress)
+                result = await self.link.call(self.remote_name, arguments, progress=progress,
+                                              wait_s=wait_s)
+            except _NotRun as exc:
+                if not self.spec.rerunnable:
+                    raise ToolError(
+                        f"MCP server {server} did not run {self.spec.name}: {exc.reason}. "
+                        "toolbus is reconnecting; the call can be sent again",
+                        error_type="server_unavailable", retryable=True) from None
+                if attempt == 2:
+                    raise ToolError(f"MCP server {server} did not run {self.spec.name}, "
+                                    f"twice: {exc.reason}", error_type="server_unavailable",
+                                    retryable=True) from None
+                log.info("%s: not run (%s); sending it again on a new session",
+                         self.spec.name, exc.reason)
+                continue
             except _ConnectionLost:
                 if not self.spec.rerunnable:
                     raise ToolError(
-                        f"the connection to MCP server {self.link.cfg.id} dropped while "
+                        f"the connection to MCP server {server} dropped while "
                         f"{self.spec.name} ran; the tool is neither read-only nor idempotent, "
                         "so it is not run again (the server may or may not have acted)",
                         error_type="interrupted") from None
                 if attempt == 2:
-                    raise ToolError(f"the connection to MCP server {self.link.cfg.id} dropped "
+                    raise ToolError(f"the connection to MCP server {server} dropped "
                                     "twice during this call", error_type="server_unavailable",
                                     retryable=True) from None
                 log.info("%s: connection dropped mid-call; retrying on a new session",
                          self.spec.name)
                 continue
-            return tool_result(self.spec.name, result)
+            return tool_result(self.spec, result)
         raise AssertionError("unreachable")
+
+
+def _is_binary(block: mt.ContentBlock) -> bool:
+    if isinstance(block, mt.ImageContent | mt.AudioContent):
+        return True
+    return isinstance(block, mt.EmbeddedResource) and \
+        isinstance(block.resource, mt.BlobResourceContents)
 
 
 def content_text(blocks: list[mt.ContentBlock]) -> str:
@@ -388,11 +815,21 @@ def content_text(blocks: list[mt.ContentBlock]) -> str:
     return "\n".join(parts)
 
 
-def tool_result(name: str, result: mt.CallToolResult) -> Any:
+def tool_result(spec: ToolSpec, result: mt.CallToolResult) -> Any:
+    """The call's result: structured content as is (what an output schema describes),
+    else text; with binary content (images, audio, blobs), MCP's own shape
+    `{"content": [...], "structuredContent": ...}`, binary data base64 with its mimeType."""
     if result.is_error:
-        raise ToolError(content_text(result.content) or f"{name} failed",
+        raise ToolError(content_text(result.content) or f"{spec.name} failed",
                         error_type="tool_error")
-    if result.structured_content is not None:
+    binary = any(_is_binary(b) for b in result.content)
+    if result.structured_content is not None and (not binary or spec.output is not None):
         return result.structured_content
-    return content_text(result.content)
-
+    if not binary:
+        return content_text(result.content)
+    out: dict[str, Any] = {"content": [b.model_dump(mode="json", by_alias=True,
+                                                    exclude_none=True)
+                                       for b in result.content]}
+    if result.structured_content is not None:
+        out["structuredContent"] = result.structured_content
+    return out

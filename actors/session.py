@@ -78,6 +78,7 @@ from schemas.ids import (
     turn_id_for,
     turn_requested_id,
 )
+from schemas.policy import DEFAULT_AGENT
 from schemas.requests import (
     DEFAULT_MAX_CALLS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -114,9 +115,11 @@ class InlineApproval(Protocol):
 
 def accept_request(state: SessionState, request: Request, request_id: str, *,
                    now: float, approver: InlineApprover | None = None,
-                   max_parallel: int = 3) -> list[Append]:
+                   max_parallel: int = 3, default_agent: str = DEFAULT_AGENT) -> list[Append]:
     """The events that accept a new request: the turn and its calls. The approval actor
-    decides each call next; this actor dispatches the approved ones.
+    decides each call next; this actor dispatches the approved ones. A request that names
+    no agent is `default_agent`'s, and its events say so: the grants applied are the
+    ones a replay shows.
 
     With an `approver` (the approval actor's own decision, when it runs in this process),
     calls it can settle without a human are decided here, and the ones that may start
@@ -125,16 +128,16 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     sid = state.session_id
     turn_id = turn_id_for(request_id)
     call_ids = [call_id_for(turn_id, i) for i in range(len(request.calls))]
+    agent = request.agent or default_agent
     out = [Append(TurnRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
-                                request_id=request_id, call_ids=call_ids,
-                                agent=request.agent),
+                                request_id=request_id, call_ids=call_ids, agent=agent),
                   turn_requested_id(sid, turn_id))]
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,
                                         turn_id=turn_id, tool=call.tool,
                                         arguments=call.arguments, reasoning=call.reasoning,
                                         output_path=call.output_path, delegate=call.delegate,
-                                        instance=call.instance, agent=request.agent),
+                                        instance=call.instance, agent=agent),
                           call_requested_id(sid, call_id)))
     if approver is None:
         return out
@@ -226,7 +229,7 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
 
 def decide_request(state: SessionState, request: Request, request_id: str, *, now: float,
                    subject: str, request_seq: int, approver: InlineApprover | None = None,
-                   max_parallel: int = 3) -> list[Append]:
+                   max_parallel: int = 3, default_agent: str = DEFAULT_AGENT) -> list[Append]:
     """The events a request makes due in its session: a new turn, the calls a crash left
     out of a stored turn, or a `duplicate_request` rejection."""
     sid = state.session_id
@@ -234,14 +237,15 @@ def decide_request(state: SessionState, request: Request, request_id: str, *, no
     known = state.turns.get(turn_id)
     if known is None:
         return accept_request(state, request, request_id, now=now, approver=approver,
-                              max_parallel=max_parallel)
+                              max_parallel=max_parallel, default_agent=default_agent)
     missing = [c for c in known.call_ids if c not in state.calls]
     if missing:
         # The turn was stored but some of its calls were not (a crash in the middle of
         # the batch): store the missing ones, with their ids, and go on.
         log.warning("session %s: turn %s was missing %d call(s); restored", sid, turn_id,
                     len(missing))
-        return [i for i in accept_request(state, request, request_id, now=now)
+        return [i for i in accept_request(state, request, request_id, now=now,
+                                          default_agent=default_agent)
                 if isinstance(i.event, CallRequested) and i.event.call_id in missing]
     rejected = RequestRejected(
         session_id=sid, at=now, actor=ACTOR, reason="duplicate_request",
@@ -289,6 +293,7 @@ class SessionActor:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_calls: int = DEFAULT_MAX_CALLS,
         cache_size: int = SESSION_CACHE_SIZE,
+        default_agent: str = DEFAULT_AGENT,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._kernel = Kernel(bus, ACTOR, clock=clock)
@@ -298,6 +303,7 @@ class SessionActor:
         self._approval = approval
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
+        self._default_agent = default_agent
         self._clock = clock
         self._kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, "session-events", (f"{EVENTS_PREFIX}.>",),
@@ -389,7 +395,8 @@ class SessionActor:
         def decide_this(state: SessionState) -> list[Append]:
             return decide_request(state, request, request_id, now=self._clock(),
                                   subject=subject, request_seq=delivery.stream_seq,
-                                  approver=approver, max_parallel=self._max_parallel)
+                                  approver=approver, max_parallel=self._max_parallel,
+                                  default_agent=self._default_agent)
 
         for _ in range(DECIDE_ATTEMPTS):
             await self._states.catch_up(entry)

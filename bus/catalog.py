@@ -19,6 +19,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from bus.connection import Bus
+from bus.direct import direct_batch
 from bus.subjects import CATALOG_BUCKET, EXECUTORS_BUCKET
 from schemas.errors import ToolConflictError
 from schemas.ids import catalog_key
@@ -190,6 +191,12 @@ class Catalog:
         info = self._executors.items.get(instance)
         return None if info is None else frozenset(info.tools)
 
+    def pool_serves(self, pool: str, namespace: str) -> bool:
+        """Some live executor of `pool` holds tools of `namespace`: it takes their calls."""
+        prefix = f"{namespace}:"
+        return any(info.pool == pool and any(t.startswith(prefix) for t in info.tools)
+                   for info in self._executors.items.values())
+
     async def wait_for_instance(self, instance: str, timeout: float = 10.0) -> None:
         """Until a live executor named `instance` is seen (after `start`)."""
         await self._executors.wait_until(lambda items: instance in items, timeout)
@@ -240,23 +247,25 @@ def _key_or_none(name: str) -> str | None:
 
 
 async def read_bucket(bus: Bus, bucket: str, decode: Callable[[bytes], T]) -> list[T]:
-    """Every live value of a KV bucket, read once.
-
-    The keys come from the stream's subject index, not from `kv.keys()`: that one is a
-    watcher whose end-of-data marker can be missed when the newest entry is a delete, and
-    then it lists nothing."""
-    prefix = f"$KV.{bucket}."
-    info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-    kv = await bus.js.key_value(bucket)
-    out = []
-    for subject in sorted(info.state.subjects or {}):
-        key = subject[len(prefix):]
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError):  # deleted ones too
-            entry = await kv.get(key)
-            if not entry.value:
-                continue
-            try:
-                out.append(decode(entry.value))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("%s entry %s is unreadable; skipped", bucket, key)
-    return out
+    """Every live value of a KV bucket, read once, by batched direct gets over its
+    subjects (each bucket keeps one message per key; a delete leaves an empty one). No
+    consumer and no stream info: the read-only roles, in their own NATS account, can do
+    it (bus/auth.py). Not `kv.keys()`: that is a watcher whose end-of-data marker can be
+    missed when the newest entry is a delete, and then it lists nothing."""
+    out: list[T] = []
+    start = 1
+    async with asyncio.timeout(30):
+        while True:
+            batch, pending = await direct_batch(bus, f"KV_{bucket}", f"$KV.{bucket}.>",
+                                                start, 1024)
+            for _, subject, data in batch:
+                if not data:  # a delete or purge marker
+                    continue
+                try:
+                    out.append(decode(data))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    log.warning("%s entry %s is unreadable; skipped", bucket,
+                                subject.removeprefix(f"$KV.{bucket}."))
+            if not batch or pending == 0:
+                return out
+            start = batch[-1][0] + 1

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+import re
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from schemas.errors import BusError, BusTimeoutError, ConnectError
+from bus.auth import redact
+from schemas.errors import (
+    AuthError,
+    BusError,
+    BusTimeoutError,
+    ConnectError,
+    PermissionDeniedError,
+)
+from schemas.ids import is_token
 
 log = logging.getLogger("toolbus.bus")
 
@@ -24,17 +37,55 @@ class Bus:
 
     nc: Client
     js: JetStreamContext
-    url: str
+    url: str  # without its password: safe to print
+    user: str | None = None  # the URL's user name
+    # Requests waiting on a subject: failed at once if NATS denies publishing to it.
+    _waiting: dict[str, set[asyncio.Future[bytes]]] = field(default_factory=dict)
+
+    @property
+    def principal(self) -> str:
+        """Who this connection is, as NATS authenticated it: the URL's user name (the
+        role, for the credentials `toolbus up` writes), or `anonymous`."""
+        return self.user if self.user and is_token(self.user) else "anonymous"
+
+    def denied(self, action: str, subject: str) -> None:
+        """NATS refused `action` ("publish"/"subscription") on `subject`: the requests
+        waiting for an answer there fail now instead of timing out."""
+        if action != "publish":
+            return
+        # nats-py hands the server's message over in lower case: so are the keys.
+        for fut in self._waiting.pop(subject.lower(), set()):
+            if not fut.done():
+                fut.set_exception(PermissionDeniedError(
+                    f"NATS denies the {self.principal} role publishing to {subject}: "
+                    "connect with the credentials of a role that may (bus/auth.py)"))
 
     async def request(self, subject: str, data: bytes, *, timeout: float,
                       who: str = "an actor") -> bytes:
-        """Core request/reply, with NATS errors mapped to ours."""
+        """Core request/reply, with NATS errors mapped to ours (`PermissionDeniedError`
+        at once when the role may not publish there)."""
+        denied: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        key = subject.lower()
+        self._waiting.setdefault(key, set()).add(denied)
+        reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout))
         try:
-            msg = await self.nc.request(subject, data, timeout=timeout)
+            await asyncio.wait((reply, denied), return_when=asyncio.FIRST_COMPLETED)
+            if denied.done():
+                reply.cancel()
+                return denied.result()  # raises PermissionDeniedError
+            msg = reply.result()
         except nats.errors.NoRespondersError as exc:
             raise BusError(f"no one answers on {subject}: is {who} running?") from exc
         except nats.errors.TimeoutError as exc:
             raise BusTimeoutError(f"no answer on {subject} within {timeout:g} s") from exc
+        finally:
+            waiting = self._waiting.get(key)
+            if waiting is not None:
+                waiting.discard(denied)
+                if not waiting:
+                    del self._waiting[key]
+            if not reply.done():
+                reply.cancel()
         return bytes(msg.data)
 
     async def close(self) -> None:
@@ -52,18 +103,30 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
     8 MiB of publishes, so an actor rides out a server restart.
     """
 
+    safe_url = redact(url)
+
     async def on_error(exc: Exception) -> None:
+        if not bus_ref:  # while connecting: kept to say why it failed
+            errors.append(str(exc))
+        denial = _DENIAL.search(str(exc))
+        if denial:
+            _recent_denials.append(f"{denial.group(1).lower()} to {denial.group(2)}")
+        if denial and bus_ref:
+            log.warning("%s: %s", name, str(exc).removeprefix("nats: "))
+            bus_ref[0].denied(denial.group(1).lower(), denial.group(2))
+            return
         log.debug("nats %s: %s", name, exc)
 
     async def on_disconnect() -> None:
         if nc_ref and (nc_ref[0].is_closed or nc_ref[0].is_draining):
             return  # our own close, not an outage
-        log.warning("%s: disconnected from NATS at %s; reconnecting", name, url)
+        log.warning("%s: disconnected from NATS at %s; reconnecting", name, safe_url)
 
     async def on_reconnect() -> None:
-        log.warning("%s: reconnected to NATS at %s", name, url)
+        log.warning("%s: reconnected to NATS at %s", name, safe_url)
 
     nc_ref: list[Client] = []
+    bus_ref: list[Bus] = []
     options: dict[str, Any] = {
         "servers": [url],
         "name": name,
@@ -83,12 +146,45 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
     }
+    errors: list[str] = []
     try:
         nc = await nats.connect(**options)
-    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-        raise ConnectError(url, str(exc) or type(exc).__name__) from exc
     except Exception as exc:
-        raise ConnectError(url, f"{type(exc).__name__}: {exc}") from exc
+        if any("authorization violation" in t.lower() for t in [*errors, str(exc)]):
+            raise AuthError(safe_url, "its credentials are missing or wrong "
+                                      "(Authorization Violation)") from exc
+        if isinstance(exc, nats.errors.NoServersError | OSError | TimeoutError):
+            raise ConnectError(safe_url, redact(str(exc)) or type(exc).__name__) from exc
+        raise ConnectError(safe_url, f"{type(exc).__name__}: {redact(str(exc))}") from exc
     nc_ref.append(nc)
     nc.options["max_reconnect_attempts"] = -1
-    return Bus(nc=nc, js=nc.jetstream(), url=url)
+    user = urlsplit(url.split(",")[0].strip()).username
+    bus = Bus(nc=nc, js=nc.jetstream(), url=safe_url, user=user)
+    bus_ref.append(bus)
+    return bus
+
+
+# nats-server's "-ERR 'Permissions Violation for Publish to "subject"'" as nats-py hands it
+# to the error callback.
+_DENIAL = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"\s']+)",
+                     re.IGNORECASE)
+
+
+_recent_denials: deque[str] = deque(maxlen=8)
+
+
+def as_bus_error(exc: BaseException) -> BusError | None:
+    """A nats-py error that escaped a command, as one of ours with a clear message (None
+    if `exc` is not one): what the CLI prints instead of a traceback."""
+    if isinstance(exc, nats.js.errors.NotFoundError):
+        return BusError(f"NATS answered: {exc.description or 'not found'}. Is this server "
+                        "toolbus's? `toolbus up` (or any actor) creates its streams")
+    if isinstance(exc, TimeoutError) and _recent_denials:  # nats-py's is one too
+        return PermissionDeniedError(
+            f"NATS refused this role's {_recent_denials[-1]} (permissions violation): "
+            "connect with the credentials of a role that may (bus/auth.py)")
+    if isinstance(exc, TimeoutError):
+        return BusTimeoutError("NATS did not answer in time")
+    if isinstance(exc, nats.errors.Error):
+        return BusError(f"NATS: {redact(str(exc))}")
+    return None

@@ -14,11 +14,19 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from bus.auth import READ_ONLY_ROLES
 from bus.connection import Bus
-from bus.headers import Header, Status
+from bus.direct import direct_batch
+from bus.headers import Header
 from bus.subjects import EVENTS_STREAM, event_subject, session_filter
 from schemas.defaults import MAX_EVENT_BYTES
-from schemas.errors import AppendError, BusTimeoutError, ConcurrencyError, EventTooLargeError
+from schemas.errors import (
+    AppendError,
+    BusTimeoutError,
+    ConcurrencyError,
+    EventTooLargeError,
+    PermissionDeniedError,
+)
 from schemas.events import AnyEvent, Event, decode_event, encode_event, event_type
 
 log = logging.getLogger("toolbus.bus")
@@ -148,6 +156,8 @@ class _Publisher:
 class EventLog:
     def __init__(self, bus: Bus, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._bus = bus
+        # The read-only roles may not create consumers: they read by direct gets only.
+        self._consumer_reads = bus.principal not in READ_ONLY_ROLES
         self._pub = _Publisher(bus)
         self._max_event_bytes = max_event_bytes
 
@@ -283,12 +293,15 @@ class EventLog:
         async with asyncio.timeout(timeout):
             while True:
                 batch, pending = await self._direct_batch(filt, start)
-                if batch and pending >= _CONSUMER_READ_OVER and (
+                if batch and pending >= _CONSUMER_READ_OVER and self._consumer_reads and (
                         until is None or until - batch[-1][0] >= _CONSUMER_READ_OVER):
                     # A long history: an ephemeral consumer streams it about twice as
                     # fast (its messages carry no metadata headers to parse).
-                    batch += await self._consumer_read(filt, batch[-1][0] + 1, until)
-                    pending = 0
+                    try:
+                        batch += await self._consumer_read(filt, batch[-1][0] + 1, until)
+                        pending = 0
+                    except PermissionDeniedError:
+                        self._consumer_reads = False  # direct gets only, from now on
                 for seq, subject, data in batch:
                     if until is not None and seq > until:
                         return out
@@ -358,41 +371,7 @@ class EventLog:
 
     async def _direct_batch(self, filt: str, start: int
                             ) -> tuple[list[tuple[int, str, bytes]], int]:
-        """One batched direct get: up to `_READ_BATCH` (seq, subject, data) from `start`,
-        and how many more match. A callback subscription, not `next_msg` per message:
-        this is what `toolbus replay` and every cold start spend their time in."""
-        nc = self._bus.nc
-        batch: list[tuple[int, str, bytes]] = []
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        last_pending = 0
-
-        async def on_msg(msg: Msg) -> None:
-            nonlocal last_pending
-            hdrs = msg.headers or {}
-            status = hdrs.get(_STATUS)
-            if status is not None and not msg.data:
-                if done.done():
-                    return
-                if status in (Status.END_OF_BATCH, Status.NOT_FOUND):
-                    done.set_result(last_pending)
-                else:
-                    done.set_exception(BusTimeoutError(
-                        f"reading {filt}: server answered {status} "
-                        f"{hdrs.get(Header.DESCRIPTION.value, '')}"))
-                return
-            batch.append((int(hdrs[_SEQUENCE]), hdrs[_SUBJECT], msg.data))
-            last_pending = int(hdrs.get(_NUM_PENDING, "0"))
-
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=4 * _READ_BATCH)
-        try:
-            req = {"seq": start, "next_by_subj": filt, "batch": _READ_BATCH}
-            await nc.publish(f"$JS.API.DIRECT.GET.{EVENTS_STREAM}",
-                             json.dumps(req).encode(), reply=inbox)
-            pending = await done
-        finally:
-            await sub.unsubscribe()
-        return batch, pending
+        return await direct_batch(self._bus, EVENTS_STREAM, filt, start, _READ_BATCH)
 
     async def read_at(self, seq: int, *, timeout: float = 5.0) -> StoredEvent | None:
         """The event at one stream sequence (a direct get), None if there is none."""

@@ -53,7 +53,12 @@ class Responder:
         task.add_done_callback(self._tasks.discard)
 
     async def _answer(self, msg: Msg) -> None:
-        if not msg.reply:
+        if not msg.reply.startswith(_REPLY_PREFIXES):
+            # No reply subject, or one naming anything but an inbox (an event subject, a
+            # catalog key): answering it would publish there with this actor's rights.
+            if msg.reply:
+                log.warning("request on %s refused: its reply subject %.80s is not an "
+                            "inbox", msg.subject, msg.reply)
             return
         try:
             reply = await self._handler(msg.subject, msg.data)
@@ -71,6 +76,11 @@ class Responder:
                                         f"server's max payload ({self._bus.nc.max_payload})")
         with contextlib.suppress(Exception):
             await self._bus.nc.publish(msg.reply, reply)
+
+
+# Where answers may go: a requester's inbox, or the private subject NATS gives a request
+# that crossed from another account (bus/auth.py).
+_REPLY_PREFIXES = ("_INBOX.", "_R_.")
 
 
 class _ErrorReply(msgspec.Struct):

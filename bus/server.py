@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bus.auth import TOOLBUS_ACCOUNT, Credentials
 from schemas.defaults import SERVER_MAX_PAYLOAD
 from schemas.errors import ConfigError, PortInUseError, ServerStartError
 
@@ -55,6 +56,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _adopt_unauthenticated_store(store_dir: Path) -> None:
+    """Streams stored before toolbus had roles live in nats-server's global account
+    (`$G`); they now belong to the TOOLBUS account: moved once, before the server starts,
+    so an upgrade keeps every event."""
+    old, new = store_dir / "jetstream" / "$G", store_dir / "jetstream" / TOOLBUS_ACCOUNT
+    if old.is_dir() and not new.exists():
+        old.rename(new)
+
+
 class EmbeddedServer:
     """`nats-server -js` on `host:port` with its store in `data_dir`.
 
@@ -65,6 +75,11 @@ class EmbeddedServer:
     survives those too, at a cost in latency that `toolbus bench calls --fsync always`
     measures. `monitor_port` serves nats-server's HTTP monitoring (`/varz`, `/jsz`) on
     `host`.
+
+    Every connection logs in as one of the roles of bus/auth.py, whose credentials live
+    in `data_dir/auth/`; with `auth=False` (`toolbus up --no-auth`, for local experiments
+    only) a connection without credentials is let in as the `actor` role: anyone on the
+    port can do anything. The streams live in the TOOLBUS account either way.
 
     Blocking start/stop on purpose: it runs before and after the event loop's work, and
     a context manager makes sure the child never outlives the parent's clean exit.
@@ -80,6 +95,7 @@ class EmbeddedServer:
         max_payload: int = SERVER_MAX_PAYLOAD,
         monitor_port: int | None = None,
         start_timeout: float = 15.0,
+        auth: bool = True,
     ) -> None:
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, not {fsync!r}")
@@ -90,20 +106,38 @@ class EmbeddedServer:
         self.max_payload = max_payload
         self.monitor_port = monitor_port
         self.start_timeout = start_timeout
+        self.auth = auth
+        self.credentials = Credentials.ensure(self.data_dir)
         self.process: subprocess.Popen[bytes] | None = None
         self.preexec: Callable[[], None] | None = None
         self._log_path = self.data_dir / "nats-server.log"
         self.config_path = self.data_dir / "nats-server.conf"
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """The server's URL without credentials: an anonymous connection (refused unless
+        `auth=False`)."""
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The URL toolbus's own processes connect with (the `actor` role)."""
+        return self.url_for("actor")
+
+    def url_for(self, role: str) -> str:
+        return self.credentials.url(role, self.host, self.port)
 
     def start(self) -> EmbeddedServer:
         if not port_is_free(self.host, self.port):
             raise PortInUseError(self.host, self.port)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(self.config_text())
+        # The config holds the roles' passwords: written for its owner only.
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(self.config_text())
+        self.credentials.write_urls(self.host, self.port)
+        _adopt_unauthenticated_store(self.data_dir / "jetstream")
         cmd = [
             nats_server_binary(),
             "-c", str(self.config_path),
@@ -137,7 +171,7 @@ class EmbeddedServer:
             time.sleep(0.02)
         self.stop()
         raise ServerStartError(
-            f"nats-server did not accept connections on {self.url} within "
+            f"nats-server did not accept connections on {self.address} within "
             f"{self.start_timeout:.0f} s (log: {self._log_path})"
         )
 
@@ -148,7 +182,11 @@ class EmbeddedServer:
                  f"max_payload: {self.max_payload}"]
         if self.fsync == "always":
             lines += ["jetstream {", "  sync_interval: always", "}"]
-        return "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n"
+        text += self.credentials.server_config()
+        if not self.auth:
+            text += 'no_auth_user: "actor"  # --no-auth: anyone is the actor role\n'
+        return text
 
     def stop(self, timeout: float = 10.0) -> None:
         proc = self.process

@@ -103,16 +103,18 @@ async def provision(bus: Bus) -> None:
     try:
         await ensure_stream(bus, events_stream_config())
         await ensure_stream(bus, requests_stream_config())
-        for bucket in (CATALOG_BUCKET, SNAPSHOTS_BUCKET, APPROVALS_BUCKET):
+        for bucket in (CATALOG_BUCKET, SNAPSHOTS_BUCKET, APPROVALS_BUCKET, EXECUTORS_BUCKET):
             try:
                 await bus.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
-                await bus.js.create_key_value(bucket=bucket, history=1)
-        try:
-            await bus.js.key_value(EXECUTORS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            await bus.js.create_key_value(bucket=EXECUTORS_BUCKET, history=1,
-                                          ttl=EXECUTORS_TTL_S)
+                ttl = EXECUTORS_TTL_S if bucket == EXECUTORS_BUCKET else None
+                await bus.js.create_key_value(bucket=bucket, history=1, ttl=ttl,
+                                              direct=True)
+            # Direct gets, so the read-only roles read entries without consumers (older
+            # installs created the buckets without them).
+            info = await bus.js.stream_info(f"KV_{bucket}")
+            if not info.config.allow_direct:
+                await bus.js.update_stream(dataclasses.replace(info.config, allow_direct=True))
         try:
             await bus.js.object_store(ARTIFACTS_BUCKET)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
@@ -168,17 +170,20 @@ async def ensure_consumer(bus: Bus, spec: ConsumerSpec) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceBacklog:
-    """Calls sent to one executor instance (`_instance`) that it has not acknowledged."""
+class Backlog:
+    """Calls sent to one executor route that no executor has acknowledged: a pool's
+    (`exec_<pool>_<namespace>`, `instance` None) or one instance's (`_instance`,
+    `exec_instance_<instance>_<namespace>`)."""
 
-    instance: str
+    pool: str | None
+    instance: str | None
     namespace: str
     filter_subject: str
     after_seq: int  # everything up to here is acknowledged
 
 
-async def instance_backlogs(bus: Bus) -> list[InstanceBacklog]:
-    """The instance consumers (`exec_instance_*`) that still hold unacknowledged calls."""
+async def executor_backlogs(bus: Bus) -> list[Backlog]:
+    """The executor consumers (`exec_*`) that still hold unacknowledged calls."""
     out = []
     offset = 0
     while True:
@@ -187,14 +192,18 @@ async def instance_backlogs(bus: Bus) -> list[InstanceBacklog]:
             name = info.name or ""
             filt = info.config.filter_subject or ""
             waiting = (info.num_pending or 0) + (info.num_ack_pending or 0)
-            if not name.startswith("exec_instance_") or not waiting:
-                continue
-            # toolbus.evt.*.call.dispatched.instance.<instance>.<namespace>
-            tokens = filt.split(".")
-            if len(tokens) != 8 or tokens[5] != "instance":
+            if not name.startswith("exec_") or not waiting:
                 continue
             floor = info.ack_floor.stream_seq if info.ack_floor else 0
-            out.append(InstanceBacklog(tokens[6], tokens[7], filt, floor))
+            # toolbus.evt.*.call.dispatched.<pool>.<namespace>, or
+            # toolbus.evt.*.call.dispatched.instance.<instance>.<namespace>
+            tokens = filt.split(".")
+            if tokens[3:5] != ["call", "dispatched"]:
+                continue
+            if len(tokens) == 7:
+                out.append(Backlog(tokens[5], None, tokens[6], filt, floor))
+            elif len(tokens) == 8 and tokens[5] == "instance":
+                out.append(Backlog(None, tokens[6], tokens[7], filt, floor))
         if len(page) < 256:
             return out
         offset += len(page)

@@ -19,7 +19,9 @@ EVENTS_PREFIX: Final = "toolbus.evt"
 LIVE_PREFIX: Final = "toolbus.live"
 REQUESTS_PREFIX: Final = "toolbus.req"
 STATE_PREFIX: Final = "toolbus.ctl.state"
-# Human decisions: a JSON request on `toolbus.approval.<sid>.<call_id>`.
+# Human decisions: a JSON request on `toolbus.approval.<sid>.<call_id>.<principal>`, where
+# `<principal>` is who decides as NATS knows them: the `approver` role may publish only
+# under its own user name (bus/auth.py), so the recorded principal cannot be forged.
 APPROVAL_PREFIX: Final = "toolbus.approval"
 # Pending approvals, `<sid>.<call_id>` -> what a human needs to decide; a projection of the
 # event log kept for listing and timeouts.
@@ -53,8 +55,8 @@ def session_of(subject: str) -> str:
     return parts[2] if len(parts) > 2 else ""
 
 
-def approval_subject(session_id: str, call_id: str) -> str:
-    return f"{APPROVAL_PREFIX}.{session_id}.{call_id}"
+def approval_subject(session_id: str, call_id: str, principal: str) -> str:
+    return f"{APPROVAL_PREFIX}.{session_id}.{call_id}.{principal}"
 
 
 def approval_decision_filter(session_id: str, call_id: str) -> str:

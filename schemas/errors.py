@@ -10,6 +10,8 @@
     ├── WorkerError               a worker process of `toolbus up --workers N` failed
     └── BusError                  anything that went wrong talking to NATS
         ├── ConnectError          the server could not be reached
+        │   └── AuthError         it refused the credentials
+        ├── PermissionDeniedError  NATS refused a publish or subscription for the role
         ├── ServerStartError      the embedded nats-server could not start
         │   └── PortInUseError    its port is taken
         ├── AppendError           an event could not be stored
@@ -91,6 +93,24 @@ class ConnectError(BusError):
             f"cannot reach NATS at {url}: {detail}. Start one with `toolbus up`, "
             "or point --nats / NATS_URL at a running server"
         )
+
+
+class AuthError(ConnectError):
+    """The server refused the connection's credentials (or their absence)."""
+
+    def __init__(self, url: str, detail: str) -> None:
+        self.url = url
+        self.detail = detail
+        BusError.__init__(
+            self,
+            f"NATS at {url} refused the connection: {detail}. `toolbus up` writes each "
+            "role's URL, with its credentials, to <data-dir>/auth/<role>.url: give "
+            "--data-dir (or $TOOLBUS_DATA_DIR), or --nats / $NATS_URL with credentials",
+        )
+
+
+class PermissionDeniedError(BusError):
+    """NATS refused a publish or subscription for this connection's role."""
 
 
 class ServerStartError(BusError):

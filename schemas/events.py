@@ -124,6 +124,9 @@ class ApprovalGranted(Event, frozen=True, tag="approval.granted"):
     by: str
     note: str | None = None
     rule: str = "human"
+    # Who decided as NATS authenticated them (the subject's last token); `by` is the name
+    # they gave. None for a timeout.
+    principal: str | None = None
 
 
 class ApprovalDenied(Event, frozen=True, tag="approval.denied"):
@@ -132,6 +135,7 @@ class ApprovalDenied(Event, frozen=True, tag="approval.denied"):
     by: str
     reason: str
     rule: str = "human"  # or "timeout"
+    principal: str | None = None
 
 
 class CallDispatched(Event, frozen=True, tag="call.dispatched"):
@@ -254,7 +258,8 @@ def summarize(event: Event) -> str:
     match event:
         case TurnRequested():
             n = len(event.call_ids)
-            return f"turn {event.turn_id} (request {event.request_id}): {n} call(s)"
+            by = f", agent {event.agent}" if event.agent else ""
+            return f"turn {event.turn_id} (request {event.request_id}{by}): {n} call(s)"
         case CallRequested():
             why = f"  reason: {event.reasoning}" if event.reasoning else ""
             meta = "".join(f"  {label}: {value}" for label, value in (

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from schemas.errors import InvalidIdError, ManifestError
 from schemas.ids import check_namespace, split_tool_name
-from schemas.policy import DEFAULT_SIDE_EFFECT_PATTERNS, Policy
+from schemas.policy import DEFAULT_AGENT, DEFAULT_SIDE_EFFECT_PATTERNS, Policy
 from schemas.tools import DEFAULT_POOL
 
 HttpMethod = Literal["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"]
@@ -69,6 +69,11 @@ class HttpToolConfig(_Model):
     # Link-local and cloud metadata addresses (169.254.0.0/16, fe80::/10, ...) are
     # refused unless this is true.
     allow_link_local: bool = False
+    # Loopback, private, shared, multicast and other non-public addresses are refused
+    # unless this is true, or the host is listed by its exact name in allowed_hosts.
+    allow_private: bool = False
+    # Body bytes read from the network at most; the rest is cut (`truncated: true`).
+    max_response_bytes: Annotated[int, Field(gt=0)] = 1_048_576
     pool: PoolName = DEFAULT_POOL
 
     @field_validator("name")
@@ -115,6 +120,12 @@ class CodeConfig(_Model):
     memory_mb: Annotated[int, Field(gt=16)] = 512
     max_output_bytes: Annotated[int, Field(gt=0)] = 32 * 1024
     pool: PoolName = DEFAULT_POOL
+    # sandbox: bubblewrap, or the executor refuses to start; process: a plain subprocess
+    # that sees the executor's files and network (only where that is acceptable).
+    isolation: Literal["sandbox", "process"] = "sandbox"
+    network: bool = False  # sandbox only: share the host's network (127.0.0.1 included)
+    # sandbox only: per run. 16 keeps the memory bound at 16 x memory_mb (8 GB).
+    max_processes: Annotated[int, Field(ge=4, le=4096)] = 16
 
 
 class GitConfig(_Model):
@@ -156,6 +167,9 @@ class ToolsSection(_Model):
 
 McpTransport = Literal["streamable-http", "sse", "stdio"]
 _DEFAULT_PATHS = {"streamable-http": "/mcp", "sse": "/sse"}
+_DEFAULT_MAX_TIMEOUT_MS = 600_000
+# A stdio argument after one of these flags (or `--flag=value`) is not shown in errors.
+_SECRET_FLAG = re.compile(r"^--?[\w-]*(key|token|secret|password|passwd|auth)[\w-]*$", re.I)
 
 
 class McpServerConfig(_Model):
@@ -172,16 +186,41 @@ class McpServerConfig(_Model):
     # stdio
     command: str | None = None
     args: list[str] = []
-    env: dict[str, str] = {}  # merged over the connector's environment
+    # The server's environment: these over the SDK's defaults (HOME, LOGNAME, PATH, SHELL,
+    # TERM, USER); nothing else of toolbus's is passed on. Secrets: `TOKEN: ${TOKEN}`.
+    env: dict[str, str] = {}
     cwd: str | None = None
     # behaviour
-    timeout_ms: Annotated[int, Field(gt=0)] = 30_000  # per call
-    connect_timeout_ms: Annotated[int, Field(gt=0)] = 10_000
+    # A call fails `timeout` after this long without a progress notification; each one
+    # pushes the deadline out again, never past max_timeout_ms (default: 10 minutes, or
+    # timeout_ms if that is longer) from the call's start.
+    timeout_ms: Annotated[int, Field(gt=0)] = 30_000
+    max_timeout_ms: Annotated[int, Field(gt=0)] | None = None
+    # Start-up (spawn or connect, handshake, tools/list) fails after this; also how long
+    # a call waits for a reconnection. `connect_timeout_ms` is accepted too.
+    connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     refresh_s: Annotated[float, Field(gt=0)] = 60.0  # periodic tools/list
     # An untrusted server's annotations are not believed by the policy: its "read-only"
     # tools still need approval, and count as risky.
     trusted: bool = True
     pool: PoolName = DEFAULT_POOL
+
+    @model_validator(mode="before")
+    @classmethod
+    def _connect_timeout_ms(cls, data: Any) -> Any:
+        # The older spelling, in milliseconds.
+        if isinstance(data, dict) and "connect_timeout_ms" in data:
+            data = dict(data)
+            if "connect_timeout_s" in data:
+                raise ValueError("give connect_timeout_s or connect_timeout_ms, not both")
+            ms = data.pop("connect_timeout_ms")
+            if isinstance(ms, bool) or not isinstance(ms, int | float | str):
+                raise ValueError(f"connect_timeout_ms must be a number, got {ms!r}")
+            try:
+                data["connect_timeout_s"] = float(ms) / 1000
+            except ValueError:
+                raise ValueError(f"connect_timeout_ms must be a number, got {ms!r}") from None
+        return data
 
     @field_validator("id")
     @classmethod
@@ -232,7 +271,19 @@ class McpServerConfig(_Model):
             if self.command is not None or self.args or self.env or self.cwd is not None:
                 raise ValueError(f"mcps {self.id}: command, args, env and cwd apply only to "
                                  "stdio servers")
+        if self.max_timeout_ms is not None and self.max_timeout_ms < self.timeout_ms:
+            raise ValueError(f"mcps {self.id}: max_timeout_ms {self.max_timeout_ms} is below "
+                             f"timeout_ms {self.timeout_ms}")
         return self
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000
+
+    @property
+    def max_timeout_s(self) -> float:
+        """The most a call may take, however much progress it reports."""
+        return max(self.timeout_ms, self.max_timeout_ms or _DEFAULT_MAX_TIMEOUT_MS) / 1000
 
     @property
     def url(self) -> str | None:
@@ -250,8 +301,25 @@ class McpServerConfig(_Model):
     def describe(self) -> str:
         """What is tried to reach it, for errors (never the key)."""
         if self.transport == "stdio":
-            return f"stdio command {' '.join([self.command or '', *self.args])}"
-        return f"{self.transport} {self.url}"
+            return f"stdio command {' '.join([self.command or '', *_shown_args(self.args)])}"
+        url, query, _ = (self.url or "").partition("?")
+        return f"{self.transport} {url}{'?...' if query else ''}"  # a query may hold a key
+
+
+def _shown_args(args: list[str]) -> list[str]:
+    """A stdio server's arguments with the values of key, token and password flags hidden."""
+    shown: list[str] = []
+    hide = False
+    for a in args:
+        flag, eq, _ = a.partition("=")
+        if hide:
+            shown.append("***")
+        elif eq and _SECRET_FLAG.match(flag):
+            shown.append(f"{flag}=***")
+        else:
+            shown.append(a)
+        hide = not eq and bool(_SECRET_FLAG.match(a))
+    return shown
 
 
 class RiskConfig(_Model):
@@ -272,6 +340,8 @@ class PolicyConfig(_Model):
     risk: RiskConfig = RiskConfig()
     approval_timeout_s: Annotated[float, Field(gt=0)] = 900.0
     agents: dict[str, GrantConfig] = {}
+    # The agent a request that names none is, for `agents` grants.
+    default_agent: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")] = DEFAULT_AGENT
     sessions: dict[str, GrantConfig] = {}
     side_effect_patterns: list[str] = list(DEFAULT_SIDE_EFFECT_PATTERNS)
     max_parallel: Annotated[int, Field(ge=1, le=64)] = 3
@@ -285,7 +355,7 @@ class PolicyConfig(_Model):
                       agents={k: tuple(v.tools) for k, v in self.agents.items()},
                       sessions={k: tuple(v.tools) for k, v in self.sessions.items()},
                       side_effect_patterns=tuple(self.side_effect_patterns),
-                      max_parallel=self.max_parallel)
+                      max_parallel=self.max_parallel, default_agent=self.default_agent)
 
 
 class PoolConfig(_Model):

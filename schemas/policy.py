@@ -17,6 +17,10 @@ The risk score (0-10) is the tool's risk level (low 1, medium 4, high 7) plus 2 
 destructive, 1 if not idempotent, 1 if open-world; read-only tools add nothing. Annotations
 of an untrusted source are not believed: its tools count as destructive, non-idempotent,
 open-world and never read-only, plus 1.
+
+Agent grants fail closed: a call always has an agent (a request that names none is the
+policy's `default_agent`), and once the policy grants tools to any agent, an agent it does
+not list may call nothing. A policy without agent grants restricts no agent.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import msgspec
 from schemas.tools import ToolSpec
 
 DEFAULT_SIDE_EFFECT_PATTERNS: Final = ("create_*", "delete_*", "send_*", "push_*", "update_*")
+# Who a request that names no agent is, for the grants.
+DEFAULT_AGENT: Final = "default"
 _BASE_RISK: Final = {"low": 1, "medium": 4, "high": 7}
 
 
@@ -45,6 +51,7 @@ class Policy:
     sessions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # sid glob -> globs
     side_effect_patterns: tuple[str, ...] = DEFAULT_SIDE_EFFECT_PATTERNS
     max_parallel: int = 3  # calls of one turn running at once
+    default_agent: str = DEFAULT_AGENT  # the agent of a request that names none
 
 
 Kind = Literal["approve", "ask", "reject"]
@@ -108,11 +115,16 @@ def evaluate(spec: ToolSpec, *, session_id: str, agent: str | None, policy: Poli
     if policy.allow and matches(name, policy.allow) is None:
         return decide("reject", "allow:no_match",
                       f"{name} is not in the policy's allowlist ({', '.join(policy.allow)})")
-    if agent is not None and policy.agents:
+    # None only in calls stored before every request had an agent: the default one.
+    agent = agent or policy.default_agent
+    if policy.agents:
         grants = policy.agents.get(agent)
         if grants is None:
+            why = (" (the policy's default_agent, which requests that name no agent run as)"
+                   if agent == policy.default_agent else "")
             return decide("reject", "grant:unknown_agent",
-                          f"agent {agent!r} has no tool grants in the policy")
+                          f"agent {agent!r}{why} has no tool grants in the policy, so it "
+                          f"may call no tool: add policy.agents.{agent}.tools to the manifest")
         if matches(name, grants) is None:
             return decide("reject", f"grant:agent:{agent}",
                           f"agent {agent} is not granted {name} (granted: {', '.join(grants)})")

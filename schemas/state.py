@@ -73,6 +73,7 @@ class CallState(msgspec.Struct, kw_only=True, gc=False):
     decision_note: str | None = None
     human_decision: Literal["approved", "denied"] | None = None
     attempts: int = 0
+    started_at: float | None = None  # when its latest attempt started
     executor: str | None = None
     result: Any = None
     result_ref: ResultRef | None = None
@@ -130,7 +131,7 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 
 # Bumped whenever the shape of `SessionState` changes, so that older snapshots are
 # ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -210,6 +211,8 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
                 call.status = "running"
+                if event.attempt >= call.attempts:
+                    call.started_at = event.at
                 call.attempts = max(call.attempts, event.attempt)
                 call.executor = event.executor
         case CallSucceeded():

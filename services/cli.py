@@ -18,7 +18,7 @@ import msgspec
 
 # Only what `toolbus replay` and the parser need is imported at the top: the other
 # commands import their modules inside, so a short command starts fast.
-from bus.connection import Bus, connect
+from bus.connection import Bus, as_bus_error, connect
 from bus.eventlog import EventLog
 from bus.subjects import approval_subject
 from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
@@ -29,9 +29,9 @@ from schemas.state import SessionState, encode_state, fold
 from services.config import (
     ActorSettings,
     default_data_dir,
-    default_nats_url,
     default_workers,
     load_manifest,
+    nats_url_for,
 )
 from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE
 from services.process import run as _run
@@ -42,9 +42,15 @@ if TYPE_CHECKING:
 _json = msgspec.json.Encoder()
 
 
-def _add_nats(p: argparse.ArgumentParser) -> None:
+def _add_nats(p: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
     p.add_argument("--nats", default=None, metavar="URL",
-                   help="NATS server URL (default: $NATS_URL, then nats://127.0.0.1:4222)")
+                   help="NATS server URL, with the role's credentials (default: $NATS_URL, "
+                        "then the URL `toolbus up` wrote in DATA_DIR/auth/ for this "
+                        "command's role, then nats://127.0.0.1:4222)")
+    if data_dir:
+        p.add_argument("--data-dir", type=Path, default=None,
+                       help="where `toolbus up` keeps its data and credentials (default: "
+                            "$TOOLBUS_DATA_DIR, then the user data dir)")
 
 
 def _add_fsync(p: argparse.ArgumentParser) -> None:
@@ -60,7 +66,9 @@ def _add_actor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tools", action="append", default=[], metavar="MODULE",
                    help="load tools from a module name or .py file (repeatable)")
     p.add_argument("--pool", default="default", help="executor pool name (default: default)")
-    p.add_argument("--instance", default=None, help="executor instance name (default: host-pid)")
+    p.add_argument("--instance", default=None,
+                   help="executor instance name (default: host-pid-pool; with several "
+                        "pools, NAME-pool; the MCP connector beside them, NAME-mcp)")
     p.add_argument("--ack-wait", type=_positive_float, default=EXECUTOR_ACK_WAIT_S,
                    metavar="SECONDS",
                    help="seconds without an ack or in-progress beat before a call held by "
@@ -88,17 +96,31 @@ _positive_int.__name__ = "int"  # argparse names the type in its error messages
 _positive_float.__name__ = "float"
 
 
+def _tcp_port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 1 to 65535")
+    return value
+
+
+_tcp_port.__name__ = "port"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolbus", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="embedded NATS + every actor, in the foreground")
-    _add_nats(p)
-    p.add_argument("--port", type=int, default=4222, help="embedded server port (default 4222)")
+    _add_nats(p, data_dir=False)
+    p.add_argument("--no-auth", action="store_true",
+                   help="LOCAL EXPERIMENTS ONLY: the embedded server accepts anyone on its "
+                        "port, who can then forge results and approvals and run any tool")
+    p.add_argument("--port", type=_tcp_port, default=4222,
+                   help="embedded server port (default 4222)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="embedded server data folder (default: the user data dir)")
-    p.add_argument("--http-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--http-port", type=_tcp_port, default=None, metavar="PORT",
                    help="serve the HTTP gateway on 127.0.0.1:PORT (default: off)")
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help="processes: this one runs the session and approval actors, N-1 "
@@ -123,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("arguments", nargs="?", default="{}", help="arguments as a JSON object")
     p.add_argument("--session", default=None, help="session id (default: a new one)")
     p.add_argument("--request-id", default=None, help="idempotency key of the request")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    p.add_argument("--timeout", type=_positive_float, default=60.0,
+                   help="seconds to wait (default 60)")
     p.add_argument("--reasoning", default=None, help="_reasoningForCall: why this call")
     p.add_argument("--output-path", default=None, metavar="PATH",
                    help="_outputPath: store the result at this dotted path of the session state")
@@ -131,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="_delegate: run the call in this executor pool")
     p.add_argument("--instance", default=None,
                    help="_instance: run the call on this executor instance")
+    p.add_argument("--agent", default=None, metavar="NAME",
+                   help="who asks: the policy's grants of this agent apply (default: the "
+                        "policy's default_agent)")
     p.add_argument("--full", action="store_true",
                    help="print a result too large for an event in full (from the object "
                         "store), not its reference")
@@ -162,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="composed: JSON Schema file of the final output")
     p.add_argument("--names", action="store_true",
                    help="export: also print the provider-name -> tool-name map")
+    p.add_argument("--force", action="store_true",
+                   help="remove: even while a live executor serves the tool")
     _add_nats(p)
 
     p = sub.add_parser("executors", help="live executor instances, their pools and tools")
@@ -209,14 +237,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    url = getattr(args, "nats", None) or default_nats_url()
     try:
+        url = nats_url_for(_role(args), getattr(args, "nats", None),
+                           getattr(args, "data_dir", None))
+        if _role(args) == "actor":
+            # Read once: the actor's credentials are not for the tools and MCP servers
+            # this process starts, which inherit its environment.
+            os.environ.pop("NATS_URL", None)
         match args.command:
             case "up":
                 from services.runtime import up
-                return up(nats_url=args.nats or None, data_dir=args.data_dir or default_data_dir(),
+                data_dir = args.data_dir or default_data_dir()
+                given = nats_url_for("actor", args.nats, data_dir) if args.nats else None
+                return up(nats_url=given, data_dir=data_dir,
                           port=args.port, settings=_actor_settings(args), fsync=args.fsync,
-                          workers=args.workers)
+                          workers=args.workers, auth=not args.no_auth)
             case "actor":
                 from services.runtime import run_actor
                 return run_actor(url, args.kind, _actor_settings(args),
@@ -264,11 +299,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as exc:  # writing the output failed (a full disk, a closed terminal)
+        mapped = as_bus_error(exc)  # or a NATS timeout no command turned into ours
+        if mapped is not None:
+            print(f"toolbus: {mapped}", file=sys.stderr)
+            return EXIT_BUS
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"toolbus: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_CALL_FAILED
+    except Exception as exc:
+        mapped = as_bus_error(exc)  # a NATS error no command turned into one of ours
+        if mapped is None:
+            raise
+        print(f"toolbus: {mapped}", file=sys.stderr)
+        return EXIT_BUS
     return EXIT_USAGE
+
+
+# The role each command connects as (bus/auth.py); the rest are clients.
+_ROLES = {"up": "actor", "actor": "actor", "approvals": "approver", "approve": "approver",
+          "deny": "approver"}
+
+
+def _role(args: argparse.Namespace) -> str:
+    if args.command == "tools" and args.action == "remove":
+        return "actor"  # only toolbus's own processes write the catalog
+    return _ROLES.get(args.command, "client")
 
 
 def _actor_settings(args: argparse.Namespace) -> ActorSettings:
@@ -303,7 +359,7 @@ async def _call(url: str, args: argparse.Namespace) -> int:
                 call[key] = value
         end = await ToolbusClient(bus).call(
             session, [call],
-            request_id=args.request_id, timeout=args.timeout)
+            request_id=args.request_id, agent=args.agent, timeout=args.timeout)
         outcome = end.outcomes[0] if not isinstance(end, RequestRejected) and end.outcomes \
             else None
         ref = outcome.result_ref if outcome is not None else None
@@ -425,7 +481,16 @@ async def _tools(url: str, args: argparse.Namespace) -> int:
     try:
         catalog = Catalog(bus)
         if args.action == "remove":
-            removed = await catalog.remove(check_tool_name(args.name))
+            name = check_tool_name(args.name)
+            serving = [i for i in await catalog.load_executors() if name in i.tools]
+            if serving and not args.force:
+                who = ", ".join(f"{i.instance} (pool {i.pool}, pid {i.pid} on {i.host})"
+                                for i in serving)
+                print(f"toolbus: {name} is served by live executor(s) {who}; removing it "
+                      "would only hide it until they register it again: stop them first, "
+                      "or pass --force", file=sys.stderr)
+                return EXIT_CALL_FAILED
+            removed = await catalog.remove(name)
             print(f"removed {args.name}" if removed else f"no tool named {args.name}",
                   file=sys.stderr)
             return EXIT_OK if removed else EXIT_CALL_FAILED
@@ -552,7 +617,8 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return EXIT_USAGE
             session = matches[0].session_id
-        reply = await bus.request(approval_subject(check_session_id(session), args.call_id),
+        reply = await bus.request(approval_subject(check_session_id(session), args.call_id,
+                                                   bus.principal),
                                   _json.encode(body), timeout=10,
                                   who="an approval actor (`toolbus up`)")
     finally:

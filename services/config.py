@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import platformdirs
 
+from bus.auth import read_role_url
 from bus.connection import DEFAULT_NATS_URL
 from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
 from schemas.errors import ManifestError
@@ -16,6 +18,30 @@ from schemas.manifest import Manifest, parse_manifest, with_base_dir
 
 def default_nats_url() -> str:
     return os.environ.get("NATS_URL") or DEFAULT_NATS_URL
+
+
+def nats_url_for(role: str, explicit: str | None, data_dir: Path | None) -> str:
+    """The URL a command of `role` connects with: `--nats`, else `$NATS_URL`, else the
+    role's URL that `toolbus up` wrote in the data dir (`--data-dir`, `$TOOLBUS_DATA_DIR`,
+    or the default), else the default address (which only a `--no-auth` server accepts).
+
+    A URL given without credentials borrows them from the data dir's URL for the same
+    host and port, so `--nats nats://127.0.0.1:4333` works beside `toolbus up --port
+    4333` on the same machine."""
+    given = explicit or os.environ.get("NATS_URL")
+    stored = read_role_url(data_dir or default_data_dir(), role)
+    if not given:
+        return stored or DEFAULT_NATS_URL
+    if stored and "," not in given:
+        try:
+            a, b = urlsplit(given), urlsplit(stored)
+            same = (a.username is None and a.hostname == b.hostname
+                    and (a.port or 4222) == (b.port or 4222))
+        except ValueError:
+            same = False
+        if same:
+            return stored
+    return given
 
 
 def default_data_dir() -> Path:

@@ -2,61 +2,441 @@
 speak NATS. Every route is a thin mapping onto the bus; nothing here holds state.
 
     POST /sessions/{sid}/requests      body: a request (README) -> 202 {request_id, turn_id}
-    GET  /sessions/{sid}/state         the session actor's live state
+    GET  /sessions/{sid}/state         the session actor's live state (`?full=1`: results
+                                       stored by reference put back in)
     GET  /approvals                    calls waiting for a human
     POST /approvals/{sid}/{call_id}    body: {"decision": "approve"|"deny", "by", "note",
                                        "reason"} -> 200 taken | 409 already decided |
                                        404 not waiting | 400 bad body
-    GET  /healthz
+    GET  /openapi.json                 this API as an OpenAPI document
+    GET  /healthz                      no token; says nothing but "up"
+
+The edge, in the order it is checked (DESIGN.md, "Roles and permissions"):
+
+- Host must be one of `allowed_hosts` (any port): a page that rebinds its own DNS name to
+  127.0.0.1 still sends its own name, and is refused (400).
+- A request that carries `Origin` (a browser's) is refused (403) unless the origin is in
+  `allowed_origins`, empty by default: a web page elsewhere can do nothing. Programs send
+  no Origin.
+- Every route but /healthz needs `Authorization: Bearer <token>`; the token names the role
+  (`client` submits and reads state; `approver` also lists and decides approvals; `admin`
+  everything): 401 without a valid token, 403 for a role without the right.
+- POST bodies must be `Content-Type: application/json` (415 otherwise; it is also not a
+  type a cross-origin page can send without a preflight), at most `MAX_BODY` bytes (413),
+  and nest at most 64 levels (400).
+
+The OpenAPI document's schemas are pydantic models for the gateway's own answers and the
+request format, and msgspec's schemas of the bus's own structs (state, pending approval,
+decision), so the document cannot drift from what is sent. Pydantic only documents: no
+request goes through it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
-from starlette.applications import Starlette
-from starlette.requests import Request
+import pydantic
+from fastapi import FastAPI, Path, Query, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
-from bus.connection import Bus
+from bus.connection import Bus, as_bus_error
 from bus.subjects import approval_subject
-from schemas.errors import InvalidIdError, InvalidRequestError, RpcError, ToolbusError
-from schemas.ids import check_session_id
+from schemas.errors import (
+    ConfigError,
+    InvalidIdError,
+    InvalidRequestError,
+    RpcError,
+    ToolbusError,
+)
+from schemas.ids import TOKEN_RULE, check_session_id, is_token
+from schemas.policy import HumanDecision, PendingApproval
 from schemas.requests import decode_json
-from schemas.state import encode_state
+from schemas.state import SessionState, encode_state
 
-MAX_BODY = 256 * 1024
+log = logging.getLogger("toolbus.gateway")
 
+MAX_BODY: Final = 256 * 1024
+ROLES: Final = ("client", "approver", "admin")
+# Loopback names only: a browser reaching the gateway under any other name came through
+# someone else's DNS.
+DEFAULT_HOSTS: Final = ("127.0.0.1", "localhost", "[::1]")
+# Shorter than this is a password someone typed, not a token `toolbus up` issued.
+MIN_TOKEN_CHARS: Final = 16
+
+_ANY_ROLE: Final = frozenset(ROLES)
+_APPROVERS: Final = frozenset({"approver", "admin"})
 
 _STATUS_OF_CODE = {"invalid": 400, "not_found": 404, "conflict": 409, "too_large": 413,
                    "unavailable": 503, "internal": 500}
 
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"ok": False, "error": message}, status_code=status)
+_SCHEMAS: Final = "#/components/schemas/{name}"
 
 
-def build_app(bus: Bus) -> Starlette:
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None
+           ) -> JSONResponse:
+    return JSONResponse({"ok": False, "error": message}, status_code=status,
+                        headers=headers)
+
+
+def _refuse(status: int, message: str, headers: Mapping[str, str] | None = None
+            ) -> HTTPException:
+    return HTTPException(status, detail=message, headers=dict(headers or {}))
+
+
+# --- the edge: Host and Origin, before any route ------------------------------------------
+
+
+def _host_name(value: str) -> str:
+    """The name in a Host header, without its port, lowercased; "" if malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):  # an IPv6 literal: [::1]:8787
+        inside, bracket, rest = value.partition("]")
+        if not bracket:
+            return ""
+        name = inside + bracket
+    else:
+        name, colon, port = value.partition(":")
+        rest = colon + port
+    if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+        return ""
+    return name
+
+
+class _EdgeGuard:
+    """Refuses, before routing, what came through a browser or someone else's name."""
+
+    def __init__(self, app: ASGIApp, *, hosts: frozenset[str], origins: frozenset[str]
+                 ) -> None:
+        self.app = app
+        self.hosts = hosts
+        self.origins = origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            name = raw_name.decode("latin-1")
+            if name in headers and name in ("host", "origin"):
+                # Two of them: which one counts depends on who reads; none does.
+                refusal: tuple[int, str] | None = (400, f"more than one {name} header")
+                break
+            headers[name] = raw_value.decode("latin-1")
+        else:
+            refusal = self.refusal(headers)
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await _error(*refusal)(scope, receive, send)
+
+    def refusal(self, headers: Mapping[str, str]) -> tuple[int, str] | None:
+        host = headers.get("host", "")
+        if _host_name(host) not in self.hosts:
+            return 400, (f"host {host!r} is not served here: address the gateway as "
+                         f"{', '.join(sorted(self.hosts))}")
+        origin = headers.get("origin")
+        if origin is not None:
+            if origin.rstrip("/").lower() in self.origins:
+                return None
+            allowed = ", ".join(sorted(self.origins)) or "none"
+            return 403, (f"requests from web pages are refused: origin {origin!r} is not "
+                         f"allowed (allowed origins: {allowed})")
+        # A browser that sent no Origin (a top-level GET) still says where it came from.
+        if headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            return 403, "requests from other web sites are refused"
+        return None
+
+
+# --- authentication ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """Token digests -> role. Digests, so every comparison is over 32 bytes and the time
+    taken says nothing about a token's length or how much of it matched."""
+
+    roles: tuple[tuple[bytes, str], ...]
+
+    @classmethod
+    def of(cls, tokens: Mapping[str, str]) -> _Tokens:
+        if not tokens:
+            raise ConfigError("the HTTP gateway needs at least one bearer token (token -> "
+                              f"role, roles {', '.join(ROLES)})")
+        roles = []
+        for token, role in tokens.items():
+            if role not in ROLES:
+                raise ConfigError(f"unknown HTTP gateway role {role!r}: choose from "
+                                  f"{', '.join(ROLES)}")
+            if len(token) < MIN_TOKEN_CHARS or not token.isascii() or \
+                    not token.isprintable() or " " in token:
+                raise ConfigError(f"a bearer token of the {role} role is not usable: give "
+                                  f"at least {MIN_TOKEN_CHARS} printable ASCII characters, "
+                                  "no spaces")
+            roles.append((_digest(token), role))
+        return cls(tuple(roles))
+
+    def role_of(self, presented: str) -> str | None:
+        digest = _digest(presented)
+        found = None
+        for known, role in self.roles:  # no early exit: every token costs the same
+            if hmac.compare_digest(digest, known):
+                found = role
+        return found
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+_bearer = HTTPBearer(
+    auto_error=False, scheme_name="bearer",
+    description="A role's token: `toolbus up` writes one per role in "
+                "`<data-dir>/auth/<role>.token` (client, approver, admin).")
+
+_NO_TOKEN = {"WWW-Authenticate": 'Bearer realm="toolbus"'}
+
+
+def _requires(allowed: frozenset[str], what: str
+              ) -> Callable[[Request, HTTPAuthorizationCredentials | None], Awaitable[str]]:
+    """A dependency: the caller's role, if its token is valid and the role may `what`."""
+
+    async def role(request: Request, credentials: Annotated[
+            HTTPAuthorizationCredentials | None, Security(_bearer)]) -> str:
+        if credentials is None:
+            raise _refuse(401, "this route needs a bearer token: send `Authorization: "
+                               "Bearer <token>`, the token of a role as `toolbus up` wrote "
+                               "it in <data-dir>/auth/<role>.token", _NO_TOKEN)
+        tokens: _Tokens = request.app.state.tokens
+        found = tokens.role_of(credentials.credentials)
+        if found is None:
+            raise _refuse(401, "the bearer token is not valid: use one of "
+                               "<data-dir>/auth/<role>.token",
+                          {"WWW-Authenticate": 'Bearer realm="toolbus", '
+                                               'error="invalid_token"'})
+        if found not in allowed:
+            may = " or ".join(r for r in ROLES if r in allowed)
+            raise _refuse(403, f"the {found} role may not {what}: use the token of the "
+                               f"{may} role",
+                          {"WWW-Authenticate": 'Bearer realm="toolbus", '
+                                               'error="insufficient_scope"'})
+        return found
+
+    return role
+
+
+Sid = Annotated[str, Path(description=f"the session id: {TOKEN_RULE}")]
+CallId = Annotated[str, Path(description="the call id, as GET /approvals lists it")]
+AnyRole = Annotated[str, Security(_requires(_ANY_ROLE, "use this route"))]
+Approver = Annotated[str, Security(_requires(_APPROVERS, "list or decide approvals"))]
+
+
+# --- bodies -------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> tuple[bytes, Any]:
+    """The body and its decoded value, once it is known to be JSON of a usable size and
+    depth. The bytes go on to the bus as sent: its consumers decode them themselves."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise _refuse(415, "send the body as JSON, with `Content-Type: application/json` "
+                           f"(got {media or 'no Content-Type'})")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise _refuse(413, f"request body over {MAX_BODY} bytes")
+    body = bytearray()
+    async for chunk in request.stream():  # bounded as it arrives, not after
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise _refuse(413, f"request body over {MAX_BODY} bytes")
+    try:
+        return bytes(body), decode_json(bytes(body), what="body")
+    except InvalidRequestError as exc:
+        raise _refuse(400, exc.message) from exc
+
+
+# --- the OpenAPI document's models (documentation only) -----------------------------------
+
+
+class Failure(pydantic.BaseModel):
+    """Every refusal and error."""
+
+    ok: Literal[False] = False
+    error: str = pydantic.Field(description="what was wrong and what to do")
+    code: str | None = pydantic.Field(
+        None, description="from the bus: invalid, not_found, conflict, too_large, "
+                          "unavailable, internal")
+
+
+class Accepted(pydantic.BaseModel):
+    ok: Literal[True] = True
+    request_id: str = pydantic.Field(description="the given one, or one made up")
+    turn_id: str = pydantic.Field(description="the turn the request starts, derived from "
+                                              "request_id")
+    duplicate: bool = pydantic.Field(description="true if this request_id was seen before "
+                                                 "(nothing new was started)")
+
+
+class DecisionTaken(pydantic.BaseModel):
+    ok: Literal[True] = True
+    decision: Literal["approved", "denied"]
+
+
+class Health(pydantic.BaseModel):
+    ok: Literal[True] = True
+
+
+class Call(pydantic.BaseModel):
+    """One call. It may also be written flat, `{"_tool": "ns:tool", "x": 1}`: every key
+    without an underscore is then an argument."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+
+    tool: str | None = pydantic.Field(None, description="namespace:tool (or `_tool`, flat)")
+    arguments: dict[str, Any] = pydantic.Field(default_factory=dict)
+    reasoning: str | None = pydantic.Field(None, alias="_reasoningForCall",
+                                           description="why the agent chose this call")
+    output_path: str | None = pydantic.Field(
+        None, alias="_outputPath", description="where the result goes in the session's "
+                                               "state object (dotted)")
+    delegate: str | None = pydantic.Field(None, alias="_delegate",
+                                          description="an executor pool")
+    instance: str | None = pydantic.Field(None, alias="_instance",
+                                          description="one executor instance")
+
+
+class ToolRequest(pydantic.BaseModel):
+    """A request: what a NATS client publishes on `toolbus.req.<sid>`. What is wrong with
+    it beyond being JSON is stored as a `request.rejected` event of the session."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    request_id: str | None = pydantic.Field(
+        None, description="the idempotency key: the same id again starts nothing new")
+    agent: str | None = pydantic.Field(None, description="who asks (per-agent grants)")
+    calls: list[Call]
+
+
+def _body(schema: str) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _SCHEMAS.format(name=schema)}}}}}
+
+
+def _json(schema: dict[str, Any], description: str, **extra: Any) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": schema}}, **extra}
+
+
+def _failures(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    what = {400: "a bad id, Host or body", 401: "no valid bearer token",
+            403: "a web page's Origin, or a role without the right",
+            404: "not found", 409: "already decided", 413: "body too large",
+            415: "not JSON", 503: "the bus did not answer"}
+    return {s: {"model": Failure, "description": what[s]} for s in (400, 401, *statuses)}
+
+
+class _Gateway(FastAPI):
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            doc = get_openapi(title=self.title, version=self.version,
+                              description=self.description, routes=self.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            # FastAPI documents a 422 for every route with parameters; refusals here are
+            # 400s (`_on_invalid`), already listed.
+            for ops in doc["paths"].values():
+                for op in ops.values():
+                    op["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            _, bus_structs = msgspec.json.schema_components(
+                [SessionState, PendingApproval, HumanDecision], ref_template=_SCHEMAS)
+            schemas.update(bus_structs)
+            request = ToolRequest.model_json_schema(
+                ref_template=_SCHEMAS.replace("{name}", "{model}"))
+            schemas.update(request.pop("$defs", {}))
+            schemas["ToolRequest"] = request
+            self.openapi_schema = doc
+        return self.openapi_schema
+
+
+def _operation_id(route: APIRoute) -> str:
+    return route.name  # the handler's name: submit, state, pending, decide...
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error(exc.status_code, str(exc.detail), exc.headers)
+
+
+async def _on_invalid(request: Request, exc: Exception) -> Response:
+    return _error(400, str(exc))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    """A NATS error a route did not turn into one of ours is an outage (503); anything
+    else a bug, answered without its details (500) and logged."""
+    mapped = as_bus_error(exc)
+    if mapped is not None:
+        return _error(503, str(mapped))
+    log.error("gateway: %s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(500, "internal error (logged by the gateway)")
+
+
+# --- the app ------------------------------------------------------------------------------
+
+
+def build_app(bus: Bus, *, tokens: Mapping[str, str],
+              allowed_hosts: Sequence[str] = DEFAULT_HOSTS,
+              allowed_origins: Sequence[str] = ()) -> FastAPI:
+    """The gateway over `bus`. `tokens` maps each bearer token to its role (`client`,
+    `approver` or `admin`); `allowed_hosts` are the names it answers to (any port);
+    `allowed_origins` the web origins (`https://host[:port]`) whose pages may call it."""
+    known = _Tokens.of(tokens)  # before anything else: a bad token fails at once
+    hosts = frozenset(f"[{h.lower()}]" if ":" in h and not h.startswith("[") else h.lower()
+                      for h in allowed_hosts)
+    origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
     client = ToolbusClient(bus)
     approvals = ApprovalStore(bus)
 
-    async def submit(request: Request) -> Response:
+    app = _Gateway(
+        title="toolbus HTTP gateway", version="1",
+        description="Requests, approvals and state of toolbus over HTTP (README, "
+                    "\"Over HTTP\"). Every route but /healthz needs a bearer token.",
+        openapi_url=None, docs_url=None, redoc_url=None,  # served below, behind a token
+        generate_unique_id_function=_operation_id,
+        exception_handlers={HTTPException: _on_http_error,
+                            RequestValidationError: _on_invalid,
+                            Exception: _on_unexpected})
+    app.state.tokens = known
+
+    @app.post("/sessions/{sid}/requests", status_code=202, response_model=Accepted,
+              summary="Submit a request", openapi_extra=_body("ToolRequest"),
+              responses=_failures(403, 413, 415, 503))
+    async def submit(sid: Sid, request: Request, role: AnyRole) -> Response:
         try:
-            sid = check_session_id(request.path_params["sid"])
+            check_session_id(sid)
         except InvalidIdError as exc:
             return _error(400, str(exc))
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            return _error(413, f"request body over {MAX_BODY} bytes")
-        try:
-            parsed = decode_json(body, what="body")
-        except InvalidRequestError as exc:
-            return _error(400, exc.message)
+        body, parsed = await _json_body(request)
         request_id = parsed.get("request_id") if isinstance(parsed, dict) else None
         if not isinstance(request_id, str):
             request_id = uuid.uuid4().hex
@@ -73,10 +453,22 @@ def build_app(bus: Bus) -> Starlette:
         return JSONResponse({"ok": True, "request_id": request_id, "turn_id": sub.turn_id,
                              "duplicate": sub.duplicate}, status_code=202)
 
-    async def state(request: Request) -> Response:
+    @app.get("/sessions/{sid}/state", summary="A session's live state",
+             responses={200: _json({"$ref": _SCHEMAS.format(name="SessionState")},
+                                   "the state", headers={
+                 "X-Toolbus-State-Source": {"description": "`log` when the state was too "
+                                            "large for one reply and was folded from the "
+                                            "event log here", "schema": {"type": "string"}},
+                 "X-Toolbus-Resolved-References": {"description": "with full=1: how many "
+                                                   "results were put back in",
+                                                   "schema": {"type": "integer"}}}),
+                        **_failures(403, 503)})
+    async def state(sid: Sid, role: AnyRole, full: Annotated[str | None, Query(
+            description="1 or true: put results stored by reference back in")] = None
+                    ) -> Response:
         headers: dict[str, str] = {}
         try:
-            sid = check_session_id(request.path_params["sid"])
+            check_session_id(sid)
             try:
                 live = await client.live_state(sid)
             except RpcError as exc:
@@ -85,7 +477,7 @@ def build_app(bus: Bus) -> Starlette:
                 # Too large for one reply: the same reducer over the log, here.
                 live = await client.fold_session(sid)
                 headers["X-Toolbus-State-Source"] = "log"
-            if request.query_params.get("full") in ("1", "true"):
+            if full in ("1", "true"):
                 resolved = await client.resolve_references(live)
                 headers["X-Toolbus-Resolved-References"] = str(resolved)
         except InvalidIdError as exc:
@@ -94,19 +486,32 @@ def build_app(bus: Bus) -> Starlette:
             return _error(503, str(exc))
         return Response(encode_state(live), media_type="application/json", headers=headers)
 
-    async def pending(request: Request) -> Response:
-        items = await approvals.load()
+    @app.get("/approvals", summary="Calls waiting for a human",
+             responses={200: _json({"type": "array", "items": {
+                 "$ref": _SCHEMAS.format(name="PendingApproval")}}, "oldest first"),
+                 **_failures(403, 503)})
+    async def pending(role: Approver) -> Response:
+        try:
+            items = await approvals.load()
+        except ToolbusError as exc:
+            return _error(503, str(exc))
         return Response(msgspec.json.encode(items), media_type="application/json")
 
-    async def decide(request: Request) -> Response:
-        sid, call_id = request.path_params["sid"], request.path_params["call_id"]
+    @app.post("/approvals/{sid}/{call_id}", response_model=DecisionTaken,
+              summary="Approve or deny a call", openapi_extra=_body("HumanDecision"),
+              responses=_failures(403, 404, 409, 413, 415, 503))
+    async def decide(sid: Sid, call_id: CallId, request: Request, role: Approver) -> Response:
         try:
             check_session_id(sid)
+            if not is_token(call_id):
+                raise InvalidIdError("call id", call_id, TOKEN_RULE)
         except InvalidIdError as exc:
             return _error(400, str(exc))
+        body, _ = await _json_body(request)
+        # The approval actor records the principal beside the name the body gives (`by`).
+        subject = approval_subject(sid, call_id, f"http-{role}")
         try:
-            reply = await bus.request(approval_subject(sid, call_id), await request.body(),
-                                      timeout=10, who="an approval actor")
+            reply = await bus.request(subject, body, timeout=10, who="an approval actor")
         except ToolbusError as exc:
             return _error(503, str(exc))
         answer: dict[str, Any] = msgspec.json.decode(reply)
@@ -115,13 +520,20 @@ def build_app(bus: Bus) -> Starlette:
         status = _STATUS_OF_CODE.get(str(answer.get("code")), 500)
         return JSONResponse(answer, status_code=status)
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"ok": True, "nats": bus.url})
+    @app.get("/openapi.json", summary="This API, as an OpenAPI document",
+             responses={200: _json({"type": "object"}, "OpenAPI 3"), **_failures(403)})
+    async def openapi(role: AnyRole) -> Response:
+        return JSONResponse(app.openapi())
 
-    return Starlette(routes=[
-        Route("/sessions/{sid}/requests", submit, methods=["POST"]),
-        Route("/sessions/{sid}/state", state, methods=["GET"]),
-        Route("/approvals", pending, methods=["GET"]),
-        Route("/approvals/{sid}/{call_id}", decide, methods=["POST"]),
-        Route("/healthz", health, methods=["GET"]),
-    ])
+    @app.get("/healthz", response_model=Health, summary="Is the gateway up (no token)")
+    async def health() -> Response:
+        return JSONResponse({"ok": True})  # and nothing more: anyone may ask
+
+    if origins:
+        # The pages allowed in need CORS answers, and their preflights answered.
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(_EdgeGuard, hosts=hosts, origins=origins)  # outermost
+    return app
+

@@ -9,17 +9,18 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from actors.approval import ApprovalActor
-from actors.executor import Executor
+from actors.executor import Executor, default_instance_name
 from actors.janitor import Janitor
 from actors.mcp_connector import McpConnector
 from actors.session import SessionActor
 from actors.tools import LocalTool, load_tools
 from actors.tools.builtins import BUILTINS, manifest_tools
+from bus.auth import Credentials, redact
 from bus.catalog import Catalog
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
@@ -27,7 +28,7 @@ from bus.streams import provision
 from schemas.errors import ConfigError, WorkerError
 from schemas.manifest import McpServerConfig, PolicyConfig
 from schemas.policy import Policy
-from services.config import ActorSettings, subprocess_path, tool_secrets
+from services.config import ActorSettings, default_data_dir, subprocess_path, tool_secrets
 from services.process import EXIT_BUS, die_with_parent, parent_is, run
 from services.telemetry import install_tracing, shutdown_tracing
 from services.workers import WORKER_READY, Workers
@@ -37,6 +38,7 @@ log = logging.getLogger("toolbus")
 _GC_GEN0 = 5_000  # allocations between young collections (CPython's default is 700)
 
 ACTOR_KINDS = ("session", "approval", "executor", "mcp")
+_T = TypeVar("_T")
 
 
 class Actor(Protocol):
@@ -106,7 +108,14 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
     if "mcp" in kinds:
         servers = mcp_servers(settings)
         if servers:
-            connector = McpConnector(bus, servers, env=os.environ, instance=settings.instance,
+            # Named apart from the local executors of this process (`<base>-mcp`, or
+            # `<base>-mcp-<pool>`): one name is one presence entry and one `_instance` route.
+            name = settings.instance
+            if "executor" in kinds or "executors" in kinds:
+                name = f"{settings.instance or default_instance_name()}-mcp"
+            # A stdio server gets the SDK's few default variables (HOME, PATH, USER, ...)
+            # and its own `env:`, never this process's environment and its secrets.
+            connector = McpConnector(bus, servers, env={}, instance=name,
                                      ack_wait_s=settings.ack_wait_s,
                                      max_in_flight=settings.max_in_flight)
             try:
@@ -131,7 +140,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         # With the approval actor in this process, the session actor asks it inline and
         # saves a bus hop per call; the events are the same.
         session = SessionActor(bus, max_parallel=policy.max_parallel, max_calls=max_calls,
-                               approval=approval)
+                               approval=approval, default_agent=policy.default_agent)
         await session.start()
         started.append(session)
     return started
@@ -170,6 +179,33 @@ async def stop_actors(actors: Sequence[Actor], grace: float = 10.0) -> None:
             log.exception("stopping %s failed", type(actor).__name__)
 
 
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM arrived during start-up."""
+
+
+_EXIT_INTERRUPTED = 130  # as the CLI's KeyboardInterrupt: 128 + SIGINT
+
+
+async def _unless_stopped(stop: asyncio.Event, aw: Awaitable[_T]) -> _T:
+    """`aw`, unless `stop` is set first: a signal during start-up, which an MCP server
+    that does not answer can make long. Then `aw` is cancelled, its own clean-up runs (it
+    stops what it started, MCP server processes included, within seconds), and
+    `_Interrupted` is raised."""
+    task = asyncio.ensure_future(aw)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        while not task.done():
+            task.cancel()
+            # Again if a cancellation was swallowed (Python 3.11's `wait_for` can).
+            await asyncio.wait({task}, timeout=3.0)
+    if task.cancelled():
+        raise _Interrupted
+    return task.result()
+
+
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -180,7 +216,8 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
                      *, server: EmbeddedServer | None = None,
                      workers: Workers | None = None,
-                     banner: str | Callable[[list[Actor]], str] | None = None) -> int:
+                     banner: str | Callable[[list[Actor]], str] | None = None,
+                     gateway_tokens: Mapping[str, str] | None = None) -> int:
     # Spans are exported only when the OTEL_* variables ask for it (services/telemetry.py).
     tracing = install_tracing(f"toolbus-{'+'.join(kinds)}")
     bus = await connect(url, name=f"toolbus-{'+'.join(kinds)}")
@@ -193,10 +230,11 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
         await provision(bus)
         if workers is not None:
             # Their executors register the tools before the session actor admits calls.
-            await workers.start()
-        actors = await start_actors(bus, kinds, settings)
+            await _unless_stopped(stop, workers.start())
+        actors = await _unless_stopped(stop, start_actors(bus, kinds, settings))
         if settings.http_port is not None:
-            gateway = await start_gateway(bus, settings.http_port)
+            gateway = await start_gateway(bus, settings.http_port,
+                                          tokens=gateway_tokens or {})
         # Everything loaded so far (modules, schemas, catalogs) lives as long as the
         # process: moved out of the collector's sight, so its passes over the young
         # objects of each call stay short (fewer and shorter pauses in the p99).
@@ -221,6 +259,10 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
                 print(f"toolbus: {failure}; stopping.", file=sys.stderr, flush=True)
                 exit_code = 1
                 break
+    except _Interrupted:
+        print("toolbus: stopped during start-up (a signal arrived)", file=sys.stderr,
+              flush=True)
+        exit_code = _EXIT_INTERRUPTED
     finally:
         if gateway is not None:
             await gateway.stop()
@@ -244,15 +286,37 @@ class _Gateway:
             await asyncio.wait_for(self.task, 5)
 
 
-async def start_gateway(bus: Bus, port: int) -> _Gateway:
-    """The HTTP gateway on 127.0.0.1:`port`, in this event loop."""
+async def start_gateway(bus: Bus, port: int, *, tokens: Mapping[str, str],
+                        allowed_hosts: Sequence[str] | None = None,
+                        allowed_origins: Sequence[str] = ()) -> _Gateway:
+    """The HTTP gateway on 127.0.0.1:`port`, in this event loop; `tokens` maps each bearer
+    token to its role, `allowed_hosts` defaults to the loopback names (services/gateway.py).
+    `ConfigError` if it cannot listen there."""
+    import socket
+
     import uvicorn  # only when asked for
 
-    from services.gateway import build_app
+    from services.gateway import DEFAULT_HOSTS, build_app
 
-    server = uvicorn.Server(uvicorn.Config(build_app(bus), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(), name="http-gateway")
+    app = build_app(bus, tokens=tokens, allowed_origins=allowed_origins,
+                    allowed_hosts=DEFAULT_HOSTS if allowed_hosts is None else allowed_hosts)
+    # Bound here, not by uvicorn: it answers a bind error with sys.exit, which would end
+    # this whole event loop with a traceback instead of one line.
+    where = f"the HTTP gateway cannot listen on 127.0.0.1:{port}"
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{where}: a port is 1 to 65535")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(("127.0.0.1", port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"{where}: {(exc.strerror or str(exc)).lower()}; pick another "
+                          "--http-port") from exc
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="http-gateway")
     async with asyncio.timeout(10):
         while not server.started:
             if task.done():
@@ -263,7 +327,7 @@ async def start_gateway(bus: Bus, port: int) -> _Gateway:
 
 
 def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings,
-       fsync: str = "batch", workers: int = 1) -> int:
+       fsync: str = "batch", workers: int = 1, auth: bool = True) -> int:
     """Everything in one process (`workers=1`), or the session and approval actors here
     and the executors and MCP connectors in `workers - 1` child processes."""
     if workers < 1:
@@ -275,7 +339,9 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
     server: EmbeddedServer | None = None
     url = nats_url
     if not url:
-        server = EmbeddedServer(data_dir, port=port, fsync=fsync)
+        if not auth:
+            print(NO_AUTH_WARNING, file=sys.stderr, flush=True)
+        server = EmbeddedServer(data_dir, port=port, fsync=fsync, auth=auth)
         server.preexec = die_with_parent  # it gets SIGTERM if toolbus dies without cleaning up
         server.start()
         url = server.url
@@ -286,10 +352,16 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
                                ready_timeout_s=_ready_timeout_s(settings),
                                verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
         pid = server.process.pid if server is not None and server.process else None
-        banner = _banner(url, data_dir if pid else None, pid, settings, workers=children)
+        banner = _banner(url, data_dir if pid else None, pid, settings, workers=children,
+                         server=server)
+        tokens: dict[str, str] = {}
+        if settings.http_port is not None:
+            # The gateway's bearer tokens live in the data dir, whichever server is used.
+            tokens = (server.credentials if server is not None
+                      else Credentials.ensure(data_dir)).tokens()
         try:
             return run(run_actors(url, kinds, settings, server=server, workers=children,
-                                  banner=banner))
+                                  banner=banner, gateway_tokens=tokens))
         except WorkerError as exc:
             print(f"toolbus: {exc}", file=sys.stderr, flush=True)
             code = exc.code if exc.code is not None and 0 < exc.code <= EXIT_BUS else EXIT_BUS
@@ -311,14 +383,14 @@ def run_actor(url: str, kind: str, settings: ActorSettings, *,
             return EXIT_BUS
     if kind == "worker":
         return run(run_actors(url, ["executors", "mcp"], settings, banner=worker_banner(url)))
-    return run(run_actors(url, [kind], settings, banner=f"toolbus {kind} actor on {url}"))
+    return run(run_actors(url, [kind], settings, banner=f"toolbus {kind} actor on {redact(url)}"))
 
 
 def _ready_timeout_s(settings: ActorSettings) -> float:
     """How long a worker may take to be ready: start-up, plus its slowest MCP server's
     connect timeout (they connect at once)."""
     servers = settings.manifest.mcps if settings.manifest is not None else []
-    return 60.0 + max((s.connect_timeout_ms / 1000 for s in servers), default=0.0)
+    return 60.0 + max((s.connect_timeout_s for s in servers), default=0.0)
 
 
 def actor_lines(actors: Sequence[Actor]) -> list[str]:
@@ -335,22 +407,49 @@ def actor_lines(actors: Sequence[Actor]) -> list[str]:
     return lines
 
 
+def _where_flag(server: EmbeddedServer | None, data_dir: Path | None) -> str:
+    """What `toolbus call` needs to find this server: nothing with the default data dir,
+    else the data dir (it holds the credentials and the port), or the address."""
+    if server is None or data_dir == default_data_dir():
+        return ""
+    return f" --data-dir {data_dir}"
+
+
 def worker_banner(url: str) -> Callable[[list[Actor]], str]:
     """`toolbus actor worker`: what it serves, then the line its parent waits for."""
 
     def text(actors: list[Actor]) -> str:
         return "\n".join([*actor_lines(actors),
-                          f"{WORKER_READY}: pid {os.getpid()} on {url}"])
+                          f"{WORKER_READY}: pid {os.getpid()} on {redact(url)}"])
 
     return text
 
 
+NO_AUTH_WARNING = """\
+toolbus: WARNING: --no-auth: the embedded NATS server accepts ANYONE who can reach its
+toolbus: port, with every right: they can forge tool results and approvals, rewrite the
+toolbus: catalog and run any tool. Use it for local experiments only, never on a shared
+toolbus: machine or a network."""
+
+
 def _banner(url: str, data_dir: Path | None, pid: int | None, settings: ActorSettings,
-            *, workers: Workers | None = None) -> Callable[[list[Actor]], str]:
-    where = f"embedded nats-server (pid {pid}) on {url}, data in {data_dir}" if pid else url
+            *, workers: Workers | None = None, server: EmbeddedServer | None = None
+            ) -> Callable[[list[Actor]], str]:
+    where = (f"embedded nats-server (pid {pid}) on {server.address}, data in {data_dir}"
+             if pid and server is not None else redact(url))
 
     def text(actors: list[Actor]) -> str:
         lines = [f"toolbus is up: {where}"]
+        if server is not None and server.auth:
+            auth = server.credentials.dir
+            # The password is shown on a terminal only, never into a log file or journal.
+            client = (server.url_for("client") if sys.stdout.isatty()
+                      else f"{redact(server.url_for('client'))} (in {auth}/client.url)")
+            lines.append(f"  client: {client}")
+            lines.append(f"  auth:   every role's URL and HTTP token is in {auth} (mode "
+                         "0600); the CLI finds them there")
+        elif server is not None:
+            lines.append("  auth:   OFF (--no-auth): anyone on the port can do anything")
         if workers is None:
             lines += ["  actors: session, approval", *actor_lines(actors)]
         else:
@@ -360,7 +459,7 @@ def _banner(url: str, data_dir: Path | None, pid: int | None, settings: ActorSet
                 lines.append(f"  process {w.pid} (worker {w.index}):")
                 lines += [f"  {line}" for line in w.lines]
         lines.append("  try:    toolbus call built-in:echo '{\"text\": \"hi\"}' --session demo"
-                     + (f" --nats {url}" if url != "nats://127.0.0.1:4222" else ""))
+                     + _where_flag(server, data_dir))
         if settings.http_port is not None:
             lines.append(f"  http:   http://127.0.0.1:{settings.http_port} (GET /approvals, "
                          "POST /sessions/SID/requests, ...)")

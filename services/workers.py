@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -40,11 +41,13 @@ STOP_GRACE_S = 15.0
 _MAX_LINE = 1 << 20  # a banner line lists every tool of a pool
 
 
-def worker_command(url: str, settings: ActorSettings, *, instance: str, parent_pid: int,
+def worker_command(settings: ActorSettings, *, instance: str, parent_pid: int,
                    verbose: bool = False) -> list[str]:
-    """The command line of one worker: the same tools, manifest and pool options."""
+    """The command line of one worker: the same tools, manifest and pool options. The
+    URL, which holds the actor role's password, goes in its environment (`NATS_URL`),
+    never on a command line that `ps` shows to every user."""
     cmd = [sys.executable, "-m", "services.cli", *(["-v"] if verbose else []),
-           "actor", "worker", "--nats", url, "--pool", settings.pool, "--instance", instance,
+           "actor", "worker", "--pool", settings.pool, "--instance", instance,
            "--ack-wait", repr(settings.ack_wait_s),
            "--max-in-flight", str(settings.max_in_flight), "--parent-pid", str(parent_pid)]
     if settings.manifest_path is not None:
@@ -116,12 +119,12 @@ class Workers:
                                    5)
 
     async def _spawn(self, w: Worker) -> None:
-        cmd = worker_command(self._url, self._settings, instance=w.instance,
+        cmd = worker_command(self._settings, instance=w.instance,
                              parent_pid=self._parent_pid, verbose=self._verbose)
         # stderr is the parent's: a worker's errors and logs reach the terminal as is.
         proc = w.proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            start_new_session=True, limit=_MAX_LINE)
+            start_new_session=True, limit=_MAX_LINE, env={**os.environ, "NATS_URL": self._url})
         assert proc.stdout is not None
         lines: list[str] = []
         try:

@@ -68,7 +68,9 @@ TEST_POLICY = Policy(
     deny=("testing:forbidden*",),
     block_at=10,
     approval_timeout_s=3.0,
-    agents={"restricted": ("built-in:*",), "writer": ("approvals:*", "built-in:echo")},
+    # Requests that name no agent are the default agent's: grants apply to them too.
+    agents={"restricted": ("built-in:*",), "writer": ("approvals:*", "built-in:echo"),
+            "default": ("*",)},
     sessions={"granted-*": ("built-in:*",)},
 )
 
@@ -173,6 +175,11 @@ def toolbus_cmd(*args: str) -> list[str]:
 def run_toolbus(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(toolbus_cmd(*args), capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, env={**os.environ, **env})
+
+
+def role_url(data_dir: Path, role: str) -> str:
+    """The URL, with credentials, that `toolbus up --data-dir DATA_DIR` wrote for `role`."""
+    return (Path(data_dir) / "auth" / f"{role}.url").read_text().strip()
 
 
 class Proc:

@@ -17,7 +17,9 @@ import pytest
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.subjects import approval_subject
+from schemas.errors import ManifestError
 from schemas.events import Event, TurnCompleted, TurnFailed
+from schemas.manifest import parse_manifest
 from schemas.policy import Policy, evaluate, risk_score
 from schemas.tools import Annotations, ToolSpec
 from tests.conftest import EventWatch, of_type, run_toolbus
@@ -70,7 +72,7 @@ async def test_mutating_tools_ask_a_human_unless_auto_approved(bus, client, sid)
                                      wait_end=False)
     assert type(decision).__struct_config__.tag == "approval.requested"
     assert decision.rule == "policy:mutating" and "not read-only" in decision.reason
-    await bus.request(approval_subject(sid, decision.call_id),
+    await bus.request(approval_subject(sid, decision.call_id, "tester"),
                       b'{"decision": "deny", "by": "ada", "reason": "not today"}', timeout=5)
     await task
     auto, out = await _decision(bus, client, sid, "approvals:write_auto", {"text": "y"})
@@ -99,6 +101,63 @@ async def test_agent_and_session_grants_limit_the_tools(bus, client, sid) -> Non
     assert by_session.rule == "grant:session:granted-*"
 
 
+async def test_a_request_without_an_agent_is_the_default_agent_and_its_events_say_so(
+        bus, client, sid, nats_url) -> None:
+    decision, out = await _decision(bus, client, sid, "built-in:echo")
+    assert decision.rule == "auto:read_only" and out.status == "succeeded"  # default: *
+    state = await client.live_state(sid)
+    turn = state.turns[state.calls[decision.call_id].turn_id]
+    assert turn.agent == "default" and state.calls[decision.call_id].agent == "default"
+    replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats", nats_url)
+    assert "agent default" in replay.stdout, replay.stderr
+
+
+def test_the_session_actor_stores_the_agent_it_applies() -> None:
+    from actors.session import accept_request
+    from schemas.requests import parse_request
+    from schemas.state import SessionState
+
+    def agents(body: bytes) -> set[str | None]:
+        items = accept_request(SessionState(session_id="s"), parse_request(body), "r",
+                               now=1.0, default_agent="anon")
+        return {getattr(i.event, "agent", None) for i in items}
+
+    assert agents(b'{"calls": [{"tool": "a:b"}, {"tool": "a:c"}]}') == {"anon"}
+    assert agents(b'{"agent": "ops", "calls": [{"tool": "a:b"}]}') == {"ops"}
+
+
+def test_grants_apply_to_the_default_agent_and_an_unlisted_agent_gets_none() -> None:
+    echo, probe = ToolSpec(name="built-in:echo"), ToolSpec(name="testing:probe")
+    policy = Policy(agents={"default": ("built-in:*",), "ops": ("*",)})
+
+    def rule(spec: ToolSpec, agent: str | None, p: Policy = policy) -> str:
+        return evaluate(spec, session_id="s", agent=agent, policy=p).rule
+
+    assert rule(echo, None) == rule(echo, "default") == "policy:mutating"  # granted
+    assert rule(probe, None) == rule(probe, "default") == "grant:agent:default"
+    assert rule(probe, "ops") == "policy:mutating"
+    stranger = evaluate(probe, session_id="s", agent="stranger", policy=policy)
+    assert (stranger.kind, stranger.rule) == ("reject", "grant:unknown_agent")
+    assert "policy.agents.stranger.tools" in stranger.message
+    # A default agent the grants leave out may call nothing, and is told why.
+    renamed = Policy(agents={"ops": ("*",)}, default_agent="anonymous")
+    nobody = evaluate(echo, session_id="s", agent=None, policy=renamed)
+    assert (nobody.kind, nobody.rule) == ("reject", "grant:unknown_agent")
+    assert "'anonymous' (the policy's default_agent" in nobody.message
+    # Without agent grants, no agent is restricted.
+    assert rule(probe, None, Policy()) == rule(probe, "stranger", Policy()) == "policy:mutating"
+
+
+def test_the_manifest_names_the_default_agent() -> None:
+    manifest = parse_manifest("policy:\n  default_agent: anon\n  agents:\n"
+                              "    anon: {tools: ['built-in:*']}\n", env={})
+    assert manifest.policy.to_policy().default_agent == "anon"
+    assert parse_manifest("", env={}).policy.to_policy().default_agent == "default"
+    with pytest.raises(ManifestError) as err:
+        parse_manifest("policy: {default_agent: 'a b'}", env={})
+    assert "policy.default_agent" in str(err.value)
+
+
 def test_untrusted_sources_annotations_are_not_believed() -> None:
     claims_read_only = Annotations(readOnlyHint=True, destructiveHint=False)
     trusted = ToolSpec(name="srv:lookup", annotations=claims_read_only)
@@ -125,10 +184,10 @@ def test_untrusted_sources_annotations_are_not_believed() -> None:
 
 
 async def test_a_raw_nats_approval_lets_the_call_run_and_repeats_are_refused(
-        bus, client, sid) -> None:
+        bus, client, nats_url, sid) -> None:
     decision, task = await _decision(bus, client, sid, "approvals:write", {"text": "hello"},
                                      wait_end=False)
-    subject = approval_subject(sid, decision.call_id)
+    subject = approval_subject(sid, decision.call_id, "tester")
     reply = json.loads(await bus.request(
         subject, b'{"decision": "approve", "by": "ada", "note": "fine"}', timeout=5))
     assert reply == {"ok": True, "decision": "approved"}
@@ -140,12 +199,12 @@ async def test_a_raw_nats_approval_lets_the_call_run_and_repeats_are_refused(
                      "error": "already decided: approved by ada"}
     bad = json.loads(await bus.request(subject, b'{"decision": "maybe"}', timeout=5))
     assert bad["ok"] is False and "bad decision" in bad["error"] and bad["code"] == "invalid"
-    nothing = json.loads(await bus.request(approval_subject(sid, "nope-0"),
+    nothing = json.loads(await bus.request(approval_subject(sid, "nope-0", "tester"),
                                            b'{"decision": "approve"}', timeout=5))
     assert "is not waiting for approval" in nothing["error"]
     assert nothing["code"] == "not_found"
     replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats",
-                                     bus.url)  # who approved what, when and why
+                                     nats_url)  # who approved what, when and why
     assert "approved by ada: fine" in replay.stdout
     assert "needs a human [rule policy:mutating]" in replay.stdout
 
@@ -153,7 +212,7 @@ async def test_a_raw_nats_approval_lets_the_call_run_and_repeats_are_refused(
 async def test_a_denied_call_fails_with_the_reason(bus, client, sid) -> None:
     decision, task = await _decision(bus, client, sid, "approvals:write", {"text": "x"},
                                      wait_end=False)
-    await bus.request(approval_subject(sid, decision.call_id),
+    await bus.request(approval_subject(sid, decision.call_id, "tester"),
                       b'{"decision": "deny", "by": "ada", "reason": "wrong customer"}', timeout=5)
     end = await task
     out = end.outcomes[0]
@@ -168,7 +227,7 @@ async def test_an_unanswered_approval_times_out_and_a_late_decision_is_refused(
     end = await task  # the test policy's approval timeout is 3 s
     out = end.outcomes[0]
     assert out.error.error_type == "approval_denied" and "timeout" in out.error.message
-    late = json.loads(await bus.request(approval_subject(sid, decision.call_id),
+    late = json.loads(await bus.request(approval_subject(sid, decision.call_id, "tester"),
                                         b'{"decision": "approve", "by": "ada"}', timeout=5))
     assert late["ok"] is False and late["error"].startswith("already decided: denied by toolbus")
     state = await client.live_state(sid)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from datetime import datetime
 
-from actors.executor import Executor
+import pytest
+
+from actors.executor import Executor, default_instance_name
 from actors.tools import load_tools
 from bus.client import ToolbusClient
 from bus.eventlog import Append, EventLog
+from schemas.errors import ConfigError
 from schemas.events import CallDispatched, CallFailed, CallRequested, TurnCompleted
-from schemas.ids import call_requested_id, call_terminal_id, dispatch_id
+from schemas.ids import call_requested_id, call_terminal_id, dispatch_id, is_token
 from schemas.tools import instance_route
 from tests.conftest import TESTS, of_type
 
@@ -118,3 +122,29 @@ async def test_a_result_over_the_result_cap_fails_and_stores_nothing(bus, client
             assert "300,000 bytes are not stored" in out.error.message
     finally:
         await executor.stop()
+
+
+def test_default_instance_names_are_per_pool_and_valid_tokens() -> None:
+    suffix = f"-{os.getpid()}"
+    assert default_instance_name().endswith(suffix)
+    assert default_instance_name("gpu").endswith(f"{suffix}-gpu")
+    assert default_instance_name("gpu") != default_instance_name("default")
+    long = default_instance_name("p" * 128)
+    assert is_token(long) and len(long) == 128
+
+
+async def test_two_executors_of_one_process_cannot_share_an_instance_name(bus) -> None:
+    tools = load_tools(str(TESTS / "toolkit.py"))
+    first = Executor(bus, tools, instance="twin-name", pool="twins", register=False)
+    twin = Executor(bus, tools, instance="twin-name", pool="twins-too", register=False)
+    await first.start()
+    try:
+        with pytest.raises(ConfigError, match="twin-name is already taken in this process "
+                                              r"\(pool twins\)"):
+            await twin.start()
+        others = [Executor(bus, tools, pool=p, register=False) for p in ("twins", "twins-b")]
+        assert len({first.instance, *(o.instance for o in others)}) == 3
+    finally:
+        await first.stop()
+    await twin.start()  # the name is free again once its holder stopped
+    await twin.stop()

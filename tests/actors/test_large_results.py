@@ -29,7 +29,7 @@ async def _max_event_size(bus: Bus, sid: str) -> int:
 
 
 async def test_a_turn_of_twenty_results_of_200_kb_completes(
-        bus: Bus, client: ToolbusClient, sid: str) -> None:
+        bus: Bus, client: ToolbusClient, nats_url: str, sid: str) -> None:
     fills = "abcdefghijklmnopqrst"
     calls = [{"tool": "testing:blob", "arguments": {"size": 200 * KB, "fill": fills[i]}}
              for i in range(20)]
@@ -42,19 +42,19 @@ async def test_a_turn_of_twenty_results_of_200_kb_completes(
     assert isinstance(stored_end, TurnCompleted)
     assert all(o.result_seq is not None for o in stored_end.outcomes)
 
-    state = await asyncio.to_thread(run_toolbus, "state", sid, "--nats", bus.url)
+    state = await asyncio.to_thread(run_toolbus, "state", sid, "--nats", nats_url)
     assert state.returncode == 0, state.stderr
     calls_state = json.loads(state.stdout)["calls"]
     assert sorted(len(c["result"]) for c in calls_state.values()) == [200 * KB] * 20
     replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--json", "--full",
-                                     "--nats", bus.url)
+                                     "--nats", nats_url)
     assert replay.returncode == 0, replay.stderr
     replayed = json.loads(replay.stdout.splitlines()[-1])["state"]
     assert replayed == json.loads(state.stdout)
 
 
 async def test_a_result_over_the_event_limit_is_stored_as_a_reference(
-        bus: Bus, client: ToolbusClient, sid: str) -> None:
+        bus: Bus, client: ToolbusClient, nats_url: str, sid: str) -> None:
     size = 3 * MAX_EVENT_BYTES
     end = await client.call(sid, [{"tool": "testing:blob", "arguments": {"size": size}}],
                             timeout=60)
@@ -71,20 +71,20 @@ async def test_a_result_over_the_event_limit_is_stored_as_a_reference(
 
     call = await asyncio.to_thread(run_toolbus, "call", "testing:blob",
                                    json.dumps({"size": size}), "--session", sid,
-                                   "--nats", bus.url)
+                                   "--nats", nats_url)
     assert call.returncode == 0, call.stderr
     assert json.loads(call.stdout)["size"] == size + 2 and "--full prints it" in call.stderr
     call_full = await asyncio.to_thread(run_toolbus, "call", "testing:blob",
                                         json.dumps({"size": size}), "--full",
-                                        "--session", sid, "--nats", bus.url)
+                                        "--session", sid, "--nats", nats_url)
     assert call_full.returncode == 0, call_full.stderr
     assert json.loads(call_full.stdout) == "x" * size
     assert "read from the object store" in call_full.stderr
 
-    replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats", bus.url)
+    replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats", nats_url)
     assert "stored as" in replay.stdout and "--full resolves them" in replay.stderr
     state_full = await asyncio.to_thread(run_toolbus, "state", sid, "--full",
-                                         "--nats", bus.url)
+                                         "--nats", nats_url)
     results = [c["result"] for c in json.loads(state_full.stdout)["calls"].values()]
     assert results == ["x" * size] * 4 and "resolved 4 result(s)" in state_full.stderr
 

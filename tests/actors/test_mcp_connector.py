@@ -1,10 +1,11 @@
 """The MCP connector (actors/mcp_connector.py) against real MCP servers over streamable
 HTTP, SSE and stdio: the catalog (every page, verbatim), calls, errors, in-progress
-acks, list changes, untrusted servers."""
+acks, list changes, untrusted servers, binary content."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from typing import Any
 
@@ -12,9 +13,10 @@ from actors.mcp_connector import McpConnector
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus
+from schemas.events import TurnCompleted
 from tests.actors.conftest import call_outcome
 from tests.conftest import EventWatch, of_type
-from tests.mcp_servers import http_config
+from tests.mcp_servers import http_config, mcp_config, png, stdio_variant
 
 SAMPLE_TOOLS = ["add_model", "describe_car", "environment", "fleet_report", "reserve_car",
                 "retire_model", "search_cars"]
@@ -94,5 +96,34 @@ async def test_an_untrusted_servers_read_only_claims_are_not_believed(
         assert asked.side_effect and asked.risk == 6  # low 1, +2 +1 +1 as worst case, +1 untrusted
         out = await task  # the test policy's approval timeout: denied
         assert out.error.error_type == "approval_denied"
+    finally:
+        await c.stop()
+
+
+async def test_image_content_is_kept_inline_when_small_and_as_an_artifact_when_large(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    ns = f"mcpimages{uuid.uuid4().hex[:6]}"
+    c = McpConnector(bus, [mcp_config(ns, **stdio_variant())], env={})
+    await c.start()
+    try:
+        await system["catalog"]._specs.wait_until(lambda items: f"{ns}.snapshot" in items, 5)
+        small = await call_outcome(client, sid, f"{ns}:snapshot", {"side": 4})
+        assert small.status == "succeeded", small
+        # MCP's own content blocks: the caption, and the image as the server sent it.
+        caption, image = small.result["content"]
+        assert caption == {"type": "text", "text": "fleet snapshot, 4x4"}
+        assert image["type"] == "image" and image["mimeType"] == "image/png"
+        assert base64.b64decode(image["data"]) == png(4, 4)
+        assert small.result_ref is None  # small enough for the event itself
+
+        end = await client.call(sid, [{"tool": f"{ns}:snapshot",
+                                       "arguments": {"side": 320, "noise": True}}],
+                                timeout=30, full=True)
+        assert isinstance(end, TurnCompleted)
+        large = end.outcomes[0]
+        assert large.status == "succeeded", large
+        assert large.result_ref is not None  # in the object store, the event refers to it
+        data = base64.b64decode(large.result["content"][1]["data"])
+        assert data.startswith(b"\x89PNG\r\n") and len(data) > 300_000
     finally:
         await c.stop()

@@ -14,7 +14,7 @@ import pytest
 from bus.server import EmbeddedServer, free_port
 from schemas.defaults import SERVER_MAX_PAYLOAD
 from schemas.errors import ConfigError
-from tests.conftest import Proc, run_toolbus
+from tests.conftest import Proc, role_url, run_toolbus
 
 
 def _report(*args: str) -> dict[str, Any]:
@@ -160,7 +160,7 @@ async def test_toolbus_up_fsync_always_reaches_the_embedded_server(tmp_path: Pat
     try:
         await up.wait_ready()
         assert "sync_interval: always" in (data / "nats-server.conf").read_text()
-        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+        nc = await nats.connect(role_url(data, "client"))
         try:
             assert nc.max_payload == SERVER_MAX_PAYLOAD
         finally:

@@ -1,25 +1,372 @@
-"""The HTTP gateway of `toolbus up --http-port`: requests, approvals and state over HTTP."""
+"""The HTTP gateway, over real HTTP on a free port against the real NATS fixture: tokens
+and roles, the Host and Origin checks, JSON-only bodies and their limits, the OpenAPI
+document, the ports it cannot listen on; and `toolbus up --http-port` end to end."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
+from bus.approvals import ApprovalStore
+from bus.connection import Bus
 from bus.server import free_port
-from tests.conftest import Proc
+from schemas.errors import ConfigError
+from schemas.events import Event
+from services.gateway import ROLES, build_app
+from services.runtime import start_gateway
+from tests.conftest import EventWatch, Proc, of_type, run_toolbus
+
+DEEP = b"[" * 10_000 + b"]" * 10_000
+
+
+@dataclass
+class Web:
+    url: str
+    tokens: dict[str, str]  # role -> its bearer token
+
+    def as_role(self, role: str | None, **headers: str) -> httpx.AsyncClient:
+        if role is not None:
+            headers["Authorization"] = f"Bearer {self.tokens[role]}"
+        # trust_env off: no proxy from the environment between the test and the gateway.
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10,
+                                 trust_env=False)
+
+
+async def _serve(bus: Bus, **options: Any) -> AsyncIterator[Web]:
+    tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
+    port = free_port()
+    gateway = await start_gateway(bus, port, tokens={t: r for r, t in tokens.items()},
+                                  **options)
+    try:
+        yield Web(f"http://127.0.0.1:{port}", tokens)
+    finally:
+        await gateway.stop()
+
+
+@pytest.fixture
+async def web(bus: Bus, system: dict[str, Any]) -> AsyncIterator[Web]:
+    async for w in _serve(bus):
+        yield w
+
+
+async def _pending_call(web: Web, bus: Bus, sid: str) -> str:
+    """Request a call the test policy gives to a human; its call id once it waits."""
+    async with EventWatch(bus, sid) as watch, web.as_role("client") as c:
+        sent = await c.post(f"/sessions/{sid}/requests", json={
+            "request_id": "w1", "calls": [{"tool": "approvals:write",
+                                           "arguments": {"text": "hi"}}]})
+        assert sent.status_code == 202, sent.text
+        events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
+    call_id: str = of_type(events, "approval.requested")[0].call_id
+    return call_id
+
+
+async def _ended(bus: Bus, sid: str) -> list[Event]:
+    """The session's events, once a turn of it has ended."""
+    async with EventWatch(bus, sid) as watch:
+        return await watch.until(lambda evs: bool(of_type(evs, "turn.completed") or
+                                                  of_type(evs, "turn.failed")))
+
+
+# --- tokens and roles ----------------------------------------------------------------------
+
+
+async def test_healthz_needs_no_token_and_tells_nothing(web: Web) -> None:
+    async with web.as_role(None) as anyone:
+        got = await anyone.get("/healthz")
+    assert got.status_code == 200 and got.json() == {"ok": True}
+
+
+async def test_every_route_but_healthz_refuses_no_token_and_a_wrong_token(
+        web: Web) -> None:
+    routes = [("POST", "/sessions/s1/requests"), ("GET", "/sessions/s1/state"),
+              ("GET", "/approvals"), ("POST", "/approvals/s1/c-0"), ("GET", "/openapi.json")]
+    async with web.as_role(None) as anyone:
+        for method, path in routes:
+            for headers in ({}, {"Authorization": f"Bearer {secrets.token_urlsafe(32)}"},
+                            {"Authorization": f"Basic {web.tokens['admin']}"},
+                            {"Authorization": f"Bearer {web.tokens['admin'][:-1]}"}):
+                got = await anyone.request(method, path, json={"calls": []}, headers=headers)
+                assert got.status_code == 401, (method, path, headers, got.text)
+                assert got.headers["WWW-Authenticate"].startswith("Bearer")
+                assert got.json()["ok"] is False and "token" in got.json()["error"]
+
+
+async def test_a_client_token_submits_and_reads_state_but_cannot_touch_approvals(
+        web: Web, bus: Bus, sid: str) -> None:
+    call_id = await _pending_call(web, bus, sid)  # submitted with the client token
+    async with web.as_role("client") as c:
+        state = await c.get(f"/sessions/{sid}/state")
+        assert state.status_code == 200 and call_id in state.json()["calls"]
+        listed = await c.get("/approvals")
+        assert listed.status_code == 403 and "approver or admin" in listed.json()["error"]
+        decided = await c.post(f"/approvals/{sid}/{call_id}", json={"decision": "approve"})
+        assert decided.status_code == 403
+    assert (sid, call_id) in {(p.session_id, p.call_id) for p in await ApprovalStore(bus).load()}
+
+
+async def test_an_approver_token_lists_and_decides_and_is_recorded_as_the_principal(
+        web: Web, bus: Bus, sid: str) -> None:
+    call_id = await _pending_call(web, bus, sid)
+    async with web.as_role("approver") as a:
+        listed = await a.get("/approvals")
+        assert listed.status_code == 200
+        assert [p["tool"] for p in listed.json()
+                if (p["session_id"], p["call_id"]) == (sid, call_id)] == \
+            ["approvals:write"]
+        url = f"/approvals/{sid}/{call_id}"
+        ok = await a.post(url, json={"decision": "approve", "by": "ada", "note": "fine"})
+        assert ok.status_code == 200 and ok.json() == {"ok": True, "decision": "approved"}
+        again = await a.post(url, json={"decision": "deny", "by": "bob", "reason": "no"})
+        assert again.status_code == 409 and "approved by ada" in again.json()["error"]
+        bad = await a.post(url, content=b"not json",
+                           headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]
+        missing = await a.post(f"/approvals/{sid}/nope-0", json={"decision": "approve"})
+        assert missing.status_code == 404
+        wrong_id = await a.post(f"/approvals/{sid}/a.b", json={"decision": "approve"})
+        assert wrong_id.status_code == 400 and "call id" in wrong_id.json()["error"]
+    granted = of_type(await _ended(bus, sid), "approval.granted")
+    assert [(g.by, g.principal) for g in granted] == [("ada", "http-approver")]
+
+
+# --- what a web page elsewhere can do: nothing ---------------------------------------------
+
+
+async def test_cross_origin_and_text_plain_posts_approve_and_submit_nothing(
+        web: Web, bus: Bus, sid: str) -> None:
+    call_id = await _pending_call(web, bus, sid)
+    evil = {"Origin": "https://evil.example", "Content-Type": "text/plain"}
+    decision = b'{"decision": "approve", "by": "mallory"}'
+    request = b'{"request_id": "evil", "calls": [{"tool": "built-in:echo", "arguments": {}}]}'
+    refused = []
+    # A page's form or fetch: no token of ours, its own Origin, a "simple" content type.
+    async with web.as_role(None) as page:
+        refused.append(await page.post(f"/approvals/{sid}/{call_id}", content=decision,
+                                       headers=evil))
+        refused.append(await page.post(f"/sessions/{sid}/requests", content=request,
+                                       headers=evil))
+    # Even holding a token: a foreign Origin, or a body that is not declared JSON.
+    for role, headers in (("admin", evil), ("admin", {"Origin": "null"}),
+                          ("admin", {"Content-Type": "text/plain"}),
+                          ("admin", {"Sec-Fetch-Site": "cross-site",
+                                     "Content-Type": "application/json"})):
+        async with web.as_role(role, **headers) as c:
+            refused.append(await c.post(f"/approvals/{sid}/{call_id}", content=decision))
+            refused.append(await c.post(f"/sessions/{sid}/requests", content=request))
+    assert [r.status_code for r in refused] == [403, 403] + [403, 403] * 2 + [415, 415] + \
+        [403, 403]
+    assert "origin 'https://evil.example' is not allowed" in refused[0].json()["error"]
+    assert "Content-Type: application/json" in refused[-3].json()["error"]
+    # Nothing was approved: the call still waits, and a real decision is the first one.
+    assert (sid, call_id) in {(p.session_id, p.call_id) for p in await ApprovalStore(bus).load()}
+    async with web.as_role("approver") as a:
+        denied = await a.post(f"/approvals/{sid}/{call_id}",
+                              json={"decision": "deny", "by": "ada", "reason": "test"})
+    assert denied.status_code == 200 and denied.json()["decision"] == "denied"
+    events = await _ended(bus, sid)
+    assert not of_type(events, "approval.granted")
+    assert [d.by for d in of_type(events, "approval.denied")] == ["ada"]
+    # Nothing was submitted: the session saw its one turn, never the page's request.
+    assert [t.request_id for t in of_type(events, "turn.requested")] == ["w1"]
+    assert not of_type(events, "request.rejected")
+
+
+async def test_a_host_not_in_the_allow_list_is_refused(web: Web, bus: Bus) -> None:
+    port = web.url.rsplit(":", 1)[1]
+    async with web.as_role("admin") as c:
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}",
+                     "localhost:x", ""):
+            got = await c.get("/approvals", headers={"Host": host})
+            assert got.status_code == 400, host
+            assert "is not served here" in got.json()["error"]
+        for host in (f"localhost:{port}", f"LOCALHOST:{port}", f"[::1]:{port}", "127.0.0.1"):
+            assert (await c.get("/approvals", headers={"Host": host})).status_code == 200
+    for twice in (b"Host: 127.0.0.1\r\nHost: evil.example", b"Host: 127.0.0.1\r\n"
+                  b"Origin: https://ui.example\r\nOrigin: https://evil.example"):
+        # httpx will not send two: over a raw connection.
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(port))
+        writer.write(b"GET /approvals HTTP/1.1\r\n" + twice + b"\r\nAuthorization: Bearer " +
+                     web.tokens["admin"].encode() + b"\r\nConnection: close\r\n\r\n")
+        async with asyncio.timeout(10):
+            answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]  # by h11 or by us
+    async for other in _serve(bus, allowed_hosts=["toolbus.internal"]):
+        async with other.as_role("admin") as c:
+            assert (await c.get("/healthz")).status_code == 400  # 127.0.0.1 no longer
+            named = await c.get("/approvals", headers={"Host": "toolbus.internal:80"})
+            assert named.status_code == 200
+
+
+async def test_an_allowed_origin_gets_cors_answers_and_others_still_nothing(
+        bus: Bus, system: dict[str, Any]) -> None:
+    async for web in _serve(bus, allowed_origins=["https://ui.example"]):
+        async with web.as_role(None) as page:
+            preflight = await page.options("/approvals", headers={
+                "Origin": "https://ui.example", "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "authorization"})
+            assert preflight.status_code == 200
+            assert preflight.headers["access-control-allow-origin"] == "https://ui.example"
+            other = await page.options("/approvals", headers={
+                "Origin": "https://evil.example", "Access-Control-Request-Method": "GET"})
+            assert other.status_code == 403
+        async with web.as_role("approver", Origin="https://ui.example") as ui:
+            got = await ui.get("/approvals")
+            assert got.status_code == 200
+            assert got.headers["access-control-allow-origin"] == "https://ui.example"
+
+
+# --- bodies --------------------------------------------------------------------------------
+
+
+async def test_a_deeply_nested_or_oversized_body_is_a_4xx_and_submits_nothing(
+        web: Web, bus: Bus, sid: str) -> None:
+    json_type = {"Content-Type": "application/json"}
+    async with web.as_role("admin") as c:
+        deep = await c.post(f"/sessions/{sid}/requests", content=DEEP, headers=json_type)
+        assert deep.status_code == 400
+        assert deep.json()["error"] == "body nests deeper than 64 levels"
+        deep_decision = await c.post(f"/approvals/{sid}/c-0", content=DEEP, headers=json_type)
+        assert deep_decision.status_code == 400
+        big = {"request_id": "big", "calls": [{"tool": "built-in:echo",
+                                               "arguments": {"text": "x" * 300_000}}]}
+        assert (await c.post(f"/sessions/{sid}/requests", json=big)).status_code == 413
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it comes
+            yield b'{"calls": [], "pad": "'
+            for _ in range(300):
+                yield b"x" * 1024
+            yield b'"}'
+
+        streamed = await c.post(f"/sessions/{sid}/requests", content=chunks(),
+                                headers=json_type)
+        assert streamed.status_code == 413
+        ok = await c.post(f"/sessions/{sid}/requests", json={
+            "request_id": "good", "calls": [{"tool": "built-in:echo",
+                                             "arguments": {"text": "hi"}}]})
+        assert ok.status_code == 202 and ok.json()["turn_id"] == "good"
+    events = await _ended(bus, sid)
+    assert [t.request_id for t in of_type(events, "turn.requested")] == ["good"]
+
+
+async def test_state_keeps_full_and_its_headers(web: Web, bus: Bus, sid: str) -> None:
+    async with web.as_role("client") as c:
+        sent = await c.post(f"/sessions/{sid}/requests", json={
+            "request_id": "r1", "calls": [{"tool": "testing:blob",
+                                           "arguments": {"size": 300_000}}]})
+        assert sent.status_code == 202
+        await _ended(bus, sid)
+        full = await c.get(f"/sessions/{sid}/state", params={"full": "1"})
+        assert full.status_code == 200
+        assert full.headers["X-Toolbus-Resolved-References"] == "1"
+        assert full.json()["calls"]["r1-0"]["result"] == "x" * 300_000
+        assert (await c.get("/sessions/bad%20id/state")).status_code == 400
+        assert (await c.post("/sessions/bad%20id/requests", json={})).status_code == 400
+
+
+# --- the OpenAPI document ------------------------------------------------------------------
+
+
+async def test_openapi_json_documents_every_route_with_its_schemas(web: Web) -> None:
+    async with web.as_role("client") as c:
+        got = await c.get("/openapi.json")
+    assert got.status_code == 200
+    doc = got.json()
+    assert {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops} == {
+        ("POST", "/sessions/{sid}/requests"), ("GET", "/sessions/{sid}/state"),
+        ("GET", "/approvals"), ("POST", "/approvals/{sid}/{call_id}"),
+        ("GET", "/openapi.json"), ("GET", "/healthz")}
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            assert ("security" in op) == (path != "/healthz"), path
+
+    def refs(node: Any) -> set[str]:
+        if isinstance(node, dict):
+            own = {node["$ref"]} if isinstance(node.get("$ref"), str) else set()
+            return own.union(*(refs(v) for v in node.values()))
+        if isinstance(node, list):
+            return set().union(*(refs(v) for v in node))
+        return set()
+
+    schemas = doc["components"]["schemas"]
+    assert all(r.removeprefix("#/components/schemas/") in schemas for r in refs(doc))
+    submit = doc["paths"]["/sessions/{sid}/requests"]["post"]
+    assert submit["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ToolRequest")
+    assert set(schemas["ToolRequest"]["properties"]) == {"request_id", "agent", "calls"}
+    assert "_reasoningForCall" in schemas["Call"]["properties"]
+    assert set(schemas["Accepted"]["properties"]) == {"ok", "request_id", "turn_id",
+                                                      "duplicate"}
+    assert schemas["HumanDecision"]["properties"]["decision"]["enum"] == ["approve", "deny"]
+    assert "calls" in schemas["SessionState"]["properties"]
+    assert "expires_at" in schemas["PendingApproval"]["properties"]
+
+
+# --- configuration errors ------------------------------------------------------------------
+
+
+async def test_a_busy_port_is_a_one_line_config_error(bus: Bus) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            await start_gateway(bus, port, tokens={secrets.token_urlsafe(32): "admin"})
+    message = str(caught.value)
+    assert message.startswith(f"the HTTP gateway cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in message and "\n" not in message
+
+
+async def test_a_port_out_of_range_is_a_config_error_and_a_usage_error(bus: Bus) -> None:
+    for port in (0, 99999, -1):
+        with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1:-?\d+: a port "
+                                              r"is 1 to 65535$"):
+            await start_gateway(bus, port, tokens={secrets.token_urlsafe(32): "admin"})
+    parsed = await asyncio.to_thread(run_toolbus, "up", "--http-port", "99999")
+    assert parsed.returncode == 2
+    assert "argument --http-port: 99999 is not a TCP port: give 1 to 65535" in parsed.stderr
+    assert "Traceback" not in parsed.stderr
+
+
+async def test_unusable_tokens_or_roles_are_config_errors(bus: Bus) -> None:
+    for tokens, expected in (({}, "at least one bearer token"),
+                             ({"short": "client"}, "at least 16 printable ASCII"),
+                             ({"x" * 20 + " y": "client"}, "no spaces"),
+                             ({secrets.token_urlsafe(32): "actor"}, "unknown HTTP gateway role")):
+        with pytest.raises(ConfigError, match=expected):
+            build_app(bus, tokens=tokens)
+
+
+# --- end to end: toolbus up --http-port ----------------------------------------------------
+
+
+def _token(data: Path, role: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {(data / 'auth' / f'{role}.token').read_text().strip()}"}
 
 
 async def test_a_call_is_requested_and_approved_over_http(tmp_path: Path) -> None:
     port, http_port = free_port(), free_port()
-    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+    data = tmp_path / "data"
+    up = Proc("up", "--port", str(port), "--data-dir", str(data),
               "--http-port", str(http_port), "--tools", "tests/sdk_toolkit.py", ready="stop:")
     try:
         banner = await up.wait_ready()
         assert f"http:   http://127.0.0.1:{http_port}" in banner
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as web:
-            assert (await web.get("/healthz")).json()["ok"] is True
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}",
+                                     headers=_token(data, "approver"), trust_env=False) as web:
+            assert (await web.get("/healthz")).json() == {"ok": True}
+            assert (await web.get("/approvals", headers={"Authorization": ""})
+                    ).status_code == 401
             sent = await web.post("/sessions/web1/requests", json={
                 "request_id": "label-1",
                 "calls": [{"tool": "shipping:label", "arguments": {"order_id": 3}}]})
@@ -36,7 +383,8 @@ async def test_a_call_is_requested_and_approved_over_http(tmp_path: Path) -> Non
             assert ok.status_code == 200 and ok.json() == {"ok": True, "decision": "approved"}
             again = await web.post(url, json={"decision": "deny", "by": "x", "reason": "no"})
             assert again.status_code == 409 and "approved by web" in again.json()["error"]
-            bad = await web.post(url, content=b"not json")
+            bad = await web.post(url, content=b"not json",
+                                 headers={"Content-Type": "application/json"})
             assert bad.status_code == 400
             missing = await web.post("/approvals/web1/nope-0", json={"decision": "approve"})
             assert missing.status_code == 404
@@ -57,12 +405,13 @@ async def test_a_call_is_requested_and_approved_over_http(tmp_path: Path) -> Non
 async def test_state_over_http_resolves_references_and_survives_a_huge_state(
         tmp_path: Path) -> None:
     port, http_port = free_port(), free_port()
-    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--workers",
+    data = tmp_path / "data"
+    up = Proc("up", "--port", str(port), "--data-dir", str(data), "--workers",
               "1", "--http-port", str(http_port), "--tools", "tests/toolkit.py", ready="stop:")
     try:
         await up.wait_ready()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}",
-                                     timeout=30) as web:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30,
+                                     headers=_token(data, "client"), trust_env=False) as web:
             calls = [{"tool": "testing:blob", "arguments": {"size": 300_000}}] + [
                 {"tool": "testing:blob", "arguments": {"size": 225_000}}] * 20
             sent = await web.post("/sessions/big1/requests",
@@ -84,3 +433,17 @@ async def test_state_over_http_resolves_references_and_survives_a_huge_state(
             assert full.json()["calls"]["r1-0"]["result"] == "x" * 300_000
     finally:
         assert up.stop() == 0
+
+
+async def test_a_busy_http_port_ends_toolbus_up_with_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http_port = taken.getsockname()[1]
+        done = await asyncio.to_thread(
+            run_toolbus, "up", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"),
+            "--workers", "1", "--http-port", str(http_port))
+    assert done.returncode != 0
+    assert f"the HTTP gateway cannot listen on 127.0.0.1:{http_port}: address already in " \
+           "use" in done.stderr
+    assert "Traceback" not in done.stderr

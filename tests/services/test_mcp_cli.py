@@ -1,11 +1,14 @@
 """MCP as users run it: `toolbus up --manifest deploy/examples/mcp.yaml`, connector
-processes started with `toolbus actor mcp --only ID`, and a start-up that cannot reach a
-server."""
+processes started with `toolbus actor mcp --only ID`, a start-up that cannot reach a
+server, one whose stdio server crashes, and Ctrl-C while a server is still connecting."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,12 +16,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.server import free_port
 from schemas.events import TurnCompleted
-from tests.conftest import REPO, EventWatch, Proc, of_type, run_toolbus
-from tests.mcp_servers import SampleServer
+from tests.conftest import REPO, EventWatch, Proc, of_type, run_toolbus, toolbus_cmd
+from tests.mcp_servers import SampleServer, process_alive, read_pid
 
 
 async def arun(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -26,7 +31,10 @@ async def arun(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 async def test_up_with_the_example_mcp_manifest_lists_and_calls_mcp_tools(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI borrows each role's credentials from the data dir for `--nats` URLs naming
+    # this server's address.
+    monkeypatch.setenv("TOOLBUS_DATA_DIR", str(tmp_path / "data"))
     cars = await SampleServer().start()
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
@@ -101,3 +109,66 @@ def test_up_fails_clearly_and_in_bounded_time_when_an_mcp_server_is_unreachable(
     assert (f"MCP server ghost is unreachable: tried streamable-http "
             f"http://127.0.0.1:{dead}/mcp") in out.stderr
     assert time.monotonic() - t0 < 30  # the 2 s connect timeout, plus process start-up
+
+
+def _stdio_manifest(path: Path, *args: str, connect_timeout_s: float = 30) -> Path:
+    path.write_text(
+        f"mcps:\n  - id: fleet\n    transport: stdio\n    command: {sys.executable}\n"
+        f"    args: {json.dumps(['-m', 'tests.mcp_servers', '--transport', 'stdio', *args])}\n"
+        f"    cwd: {REPO}\n    connect_timeout_s: {connect_timeout_s}\n")
+    return path
+
+
+@pytest.mark.parametrize(("sig", "workers"), [
+    pytest.param(signal.SIGINT, "1", id="ctrl-c-one-process"),
+    pytest.param(signal.SIGINT, "2", id="ctrl-c-in-a-worker"),
+    pytest.param(signal.SIGTERM, "2", id="sigterm-in-a-worker"),
+])
+async def test_a_signal_stops_up_within_5_s_while_a_mute_stdio_server_is_connecting(
+        tmp_path: Path, sig: signal.Signals, workers: str) -> None:
+    """A server that never answers `initialize`, with a 10-minute connect timeout: Ctrl-C
+    (or SIGTERM) still stops `toolbus up` at once, and no server process is left behind.
+    With `--workers 2` the server is a worker's child."""
+    pid_file = tmp_path / "mute.pid"
+    manifest = _stdio_manifest(tmp_path / "m.yaml", "--mute", "--pid-file", str(pid_file),
+                               connect_timeout_s=600)
+    up = subprocess.Popen(  # noqa: ASYNC220  # spawning does not block
+        toolbus_cmd("up", "--no-auth", "--port", str(free_port()), "--data-dir",
+                    str(tmp_path / "data"), "--workers", workers, "--manifest",
+                    str(manifest)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    pid = None
+    try:
+        pid = await read_pid(pid_file, timeout=30)  # it is connecting now
+        up.send_signal(sig)
+        code = await asyncio.to_thread(up.wait, 5)  # TimeoutExpired fails the test
+        stderr = up.stderr.read() if up.stderr else ""
+        assert code == 130, stderr
+        assert "toolbus: stopped during start-up (a signal arrived)" in stderr
+        assert "Traceback" not in stderr
+        assert not process_alive(pid)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+        for stream in (up.stdout, up.stderr):
+            if stream:
+                stream.close()
+        if pid is not None and process_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_up_reports_a_stdio_server_that_crashes_at_start_up_with_its_exit_code_and_stderr(
+        tmp_path: Path) -> None:
+    manifest = _stdio_manifest(tmp_path / "m.yaml", "--crash", "3")
+    out = run_toolbus("up", "--no-auth", "--port", str(free_port()), "--data-dir",
+                      str(tmp_path / "d"), "--workers", "1", "--manifest", str(manifest),
+                      timeout=60)
+    assert out.returncode == 3, out.stderr
+    line = next(x for x in out.stderr.splitlines() if x.startswith("toolbus: MCP server"))
+    assert line.startswith("toolbus: MCP server fleet is unreachable: tried stdio command ")
+    assert ("the server process exited with code 3 before it answered initialize; its "
+            "stderr ended with: fleet-mcp 1.0 starting | error: DATABASE_URL is not set; "
+            "cannot load the fleet") in line
+    assert "Traceback" not in out.stderr

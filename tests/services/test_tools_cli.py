@@ -8,10 +8,18 @@ import http.server
 import json
 import subprocess
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from actors.executor import Executor
+from actors.tools import tool
+from bus.catalog import Catalog
+from bus.connection import Bus
 from bus.server import free_port
+from schemas.tools import ToolSpec
 from tests.conftest import REPO, Proc, run_toolbus
 
 
@@ -87,7 +95,11 @@ async def _pending(url: str) -> str:
             await asyncio.sleep(0.2)  # another process's state: poll the CLI
 
 
-async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> None:
+async def test_up_with_the_example_manifest_serves_its_tools(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI borrows each role's credentials (client, approver) from the data dir for
+    # `--nats` URLs naming this server's address.
+    monkeypatch.setenv("TOOLBUS_DATA_DIR", str(tmp_path / "data"))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Tickets)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = free_port()
@@ -127,8 +139,13 @@ async def test_up_with_the_example_manifest_serves_its_tools(tmp_path: Path) -> 
                           "--nats", url)
         assert get.returncode == 1 and "is not one of" in get.stderr and "POST" in get.stderr
 
-        code = run_toolbus("call", "built-in:code_execute", '{"code": "print(6*7)"}',
-                           "--nats", url)
+        # code_execute runs in the sandbox but is not auto-approved: a human approves it.
+        code_call = asyncio.create_task(arun(
+            "call", "built-in:code_execute", '{"code": "print(6*7)"}', "--nats", url))
+        code_id = (await _pending(url)).split()[0]
+        ok = await arun("approve", code_id, "--by", "ops", "--nats", url)
+        assert ok.returncode == 0, ok.stderr
+        code = await code_call
         assert code.returncode == 0 and json.loads(code.stdout)["stdout"] == "42\n"
         log = run_toolbus("call", "built-in:git_read", '{"command": "log -1 --format=%H"}',
                           "--nats", url)
@@ -159,3 +176,44 @@ def test_a_bad_manifest_stops_up_before_anything_starts(tmp_path: Path) -> None:
                       "--manifest", str(bad))
     assert out.returncode == 2
     assert "tools.http[0].base_url: ${NOPE_NOT_SET} is not set" in out.stderr
+
+
+async def test_call_takes_an_agent_whose_grants_apply(
+        nats_url: str, system: dict[str, Any]) -> None:
+    ok = await arun("call", "built-in:echo", '{"a": 1}', "--agent", "restricted",
+                    "--nats", nats_url)
+    assert ok.returncode == 0 and json.loads(ok.stdout) == {"a": 1}, ok.stderr
+    no = await arun("call", "testing:probe", '{"label": "x"}', "--agent", "restricted",
+                    "--nats", nats_url)
+    assert no.returncode == 1
+    assert "testing:probe rejected (policy_denied): agent restricted is not granted " \
+        "testing:probe" in no.stderr
+
+
+async def test_tools_remove_refuses_a_tool_a_live_executor_serves_unless_forced(
+        bus: Bus, nats_url: str, system: dict[str, Any]) -> None:
+    ns = f"served{uuid.uuid4().hex[:6]}"
+
+    @tool(f"{ns}:ping", read_only=True)
+    async def ping() -> str:
+        return "pong"
+
+    catalog = Catalog(bus)
+    executor = Executor(bus, [ping], instance=f"{ns}-1")
+    await executor.start()
+    try:
+        refused = await arun("tools", "remove", f"{ns}:ping", "--nats", nats_url)
+        assert refused.returncode == 1
+        assert f"{ns}:ping is served by live executor(s) {ns}-1 (pool default" in \
+            refused.stderr
+        assert "stop them first, or pass --force" in refused.stderr
+        assert f"{ns}:ping" in [s.name for s in await catalog.load()]
+        forced = await arun("tools", "remove", f"{ns}:ping", "--force", "--nats", nats_url)
+        assert forced.returncode == 0 and f"removed {ns}:ping" in forced.stderr
+        assert f"{ns}:ping" not in [s.name for s in await catalog.load()]
+    finally:
+        await executor.stop()
+    # A tool whose executors are gone is removed without --force.
+    await catalog.register([ToolSpec(name=f"{ns}:gone", source="python:gone")])
+    gone = await arun("tools", "remove", f"{ns}:gone", "--nats", nats_url)
+    assert gone.returncode == 0 and f"removed {ns}:gone" in gone.stderr

@@ -15,7 +15,7 @@ import nats
 from bus.catalog import Catalog
 from bus.connection import connect
 from bus.server import free_port
-from tests.conftest import Proc, run_toolbus
+from tests.conftest import Proc, role_url, run_toolbus
 
 
 def _replay_json(url: str, sid: str) -> list[dict]:
@@ -48,16 +48,22 @@ async def test_toolbus_up_serves_cli_and_raw_clients_and_survives_a_server_kill(
     tmp_path: Path,
 ) -> None:
     port = free_port()
-    url = f"nats://127.0.0.1:{port}"
+    address = f"nats://127.0.0.1:{port}"
     data = tmp_path / "data"
     up = Proc("up", "--port", str(port), "--data-dir", str(data), ready="stop:")
     try:
         banner = await up.wait_ready()
-        assert f"on {url}" in banner and "toolbus call built-in:echo" in banner
+        assert f"on {address}" in banner and "toolbus call built-in:echo" in banner
         server_pid = int(re.search(r"nats-server \(pid (\d+)\)", banner).group(1))  # type: ignore[union-attr]
+        # The banner gives the client role's URL; the data dir holds every role's.
+        url = (data / "auth" / "client.url").read_text().strip()
+        # Not a terminal: the password stays out of the banner (and of any log).
+        assert "client: nats://client:***@127.0.0.1:" in banner and url not in banner
+        assert "actor" not in url and (data / "auth" / "client.url").stat().st_mode & 0o077 == 0
 
+        # The CLI finds the credentials in the data dir.
         out = run_toolbus("call", "built-in:echo", '{"text": "hi"}', "--session", "demo",
-                          "--nats", url)
+                          "--data-dir", str(data))
         assert out.returncode == 0, out.stderr
         assert out.stdout == '{"text":"hi"}\n'
         assert "session: demo" in out.stderr
@@ -142,8 +148,8 @@ async def test_actors_ride_out_a_restart_of_an_external_nats_server(tmp_path: Pa
     from bus.server import EmbeddedServer
 
     port = free_port()
-    url = f"nats://127.0.0.1:{port}"
     server = EmbeddedServer(tmp_path / "nats", port=port).start()
+    url = server.url
     up = Proc("up", "--nats", url, ready="stop:")
     try:
         await up.wait_ready()
@@ -215,11 +221,11 @@ def _pids(banner: str) -> tuple[int, int]:
 async def test_up_with_two_workers_runs_tools_in_a_worker_and_sigterm_stops_every_process(
         tmp_path: Path) -> None:
     port = free_port()
-    url = f"nats://127.0.0.1:{port}"
     up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"),
               "--workers", "2", "--instance", "wk", ready="stop:")
     try:
         banner = await up.wait_ready()
+        url = role_url(tmp_path / "data", "client")
         server_pid, worker_pid = _pids(banner)
         assert f"process {up.pid}: session, approval" in banner
         assert "executor wk-1 (pool default): built-in:current_time, built-in:echo" in banner
@@ -244,12 +250,12 @@ async def test_up_with_two_workers_runs_tools_in_a_worker_and_sigterm_stops_ever
 async def test_a_dead_worker_is_restarted_and_a_killed_parent_leaves_no_process_behind(
         tmp_path: Path) -> None:
     port = free_port()
-    url = f"nats://127.0.0.1:{port}"
     up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path / "data"),
               "--workers", "2", "--instance", "wr", ready="stop:")
     try:
         server_pid, worker_pid = _pids(await up.wait_ready())
-        bus = await connect(url, name="test-workers")
+        url = role_url(tmp_path / "data", "client")
+        bus = await connect(role_url(tmp_path / "data", "actor"), name="test-workers")
         catalog = Catalog(bus)
         await catalog.start()
         try:

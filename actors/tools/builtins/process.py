@@ -42,6 +42,19 @@ async def run_capped(argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True, preexec_fn=preexec,
     )
+    try:
+        return await collect(proc, timeout_ms=timeout_ms, cap=cap, what=what)
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: kill the whole group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+async def collect(proc: asyncio.subprocess.Process, *, timeout_ms: int, cap: int,
+                  what: str) -> Finished:
+    """Wait for `proc`, reading its stdout and stderr at once, each capped at `cap`
+    bytes; `ToolError(timeout)` naming `what` after `timeout_ms` (the caller kills it)."""
     assert proc.stdout is not None and proc.stderr is not None
     try:
         async with asyncio.timeout(timeout_ms / 1000):
@@ -51,9 +64,4 @@ async def run_capped(argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
     except TimeoutError:
         raise ToolError(f"{what} ran longer than {timeout_ms} ms and was killed",
                         error_type="timeout") from None
-    finally:
-        if proc.returncode is None:  # timed out or cancelled: kill the whole group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
     return Finished(code, out, err, out_cut, err_cut)

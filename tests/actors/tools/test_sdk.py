@@ -95,7 +95,7 @@ async def test_sdk_tools_run_with_models_resources_and_output_checks(
             asked = (await watch.until(lambda evs: bool(of_type(evs, "approval.requested"))))
         request = of_type(asked, "approval.requested")[-1]
         assert request.rule == "tool:requires_approval"
-        reply = await bus.request(approval_subject(sid, request.call_id),
+        reply = await bus.request(approval_subject(sid, request.call_id, "tester"),
                                   b'{"decision": "approve", "by": "ada"}', timeout=5)
         assert json.loads(reply) == {"ok": True, "decision": "approved"}
         sync = await pending
@@ -184,16 +184,17 @@ async def test_a_call_queued_for_an_instance_that_is_gone_fails_instead_of_waiti
         bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
     from tests import toolkit
 
-    doomed = Executor(bus, [toolkit.sleep], instance="doomed-1", ack_wait_s=5.0,
-                      max_in_flight=1)
+    doomed = Executor(bus, [toolkit.sleep, toolkit.short_timeout], instance="doomed-1",
+                      ack_wait_s=5.0, max_in_flight=1)
     await doomed.start()
     await system["catalog"].wait_for_instance("doomed-1", timeout=5)
     async with EventWatch(bus, sid) as watch:
         first = asyncio.create_task(_call(client, sid, "testing:sleep", {"seconds": 1.0},
                                           _instance="doomed-1"))
         await watch.until(lambda evs: bool(of_type(evs, "call.started")))
-        queued = asyncio.create_task(_call(client, sid, "testing:sleep", {"seconds": 0},
-                                           _instance="doomed-1"))
+        # Ended once its (0.2 s) timeout has passed and its instance is gone.
+        queued = asyncio.create_task(_call(client, sid, "testing:short_timeout",
+                                           {"seconds": 0}, _instance="doomed-1"))
         await watch.until(lambda evs: len(of_type(evs, "call.dispatched")) == 2)
     await doomed.stop()  # finishes the running call, leaves the queued one behind
     first_out = await first

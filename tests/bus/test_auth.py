@@ -1,0 +1,304 @@
+"""Roles and permissions on NATS (bus/auth.py), checked against `toolbus up` as users run
+it and against `deploy/nats/single.conf` run by hand: an anonymous connection is refused,
+a client cannot write events, the catalog or approvals, an approver's decision records
+who decided."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+
+from bus.auth import ROLES, deploy_roles_conf, password_variable, redact
+from bus.connection import Bus, connect
+from bus.server import free_port, nats_server_binary
+from bus.subjects import approval_subject, event_subject
+from schemas.errors import AuthError, PermissionDeniedError
+from tests.conftest import REPO, Proc, role_url, run_toolbus
+
+DEPLOY = REPO / "deploy" / "nats"
+
+
+def test_deploy_roles_match_the_embedded_servers() -> None:
+    assert (DEPLOY / "roles.conf").read_text() == deploy_roles_conf(), \
+        "regenerate: python -c 'from bus.auth import deploy_roles_conf as d; " \
+        "print(d(), end=\"\")' > deploy/nats/roles.conf"
+
+
+@pytest.mark.parametrize("conf", ["single.conf", "cluster/node-1.conf"])
+def test_deploy_configs_are_valid_and_need_every_password(conf: str) -> None:
+    env = {password_variable(r): _password() for r in ROLES}
+    ok = subprocess.run([nats_server_binary(), "-c", str(DEPLOY / conf), "-t"],
+                        capture_output=True, text=True, env=env, timeout=30)
+    assert ok.returncode == 0, ok.stderr + ok.stdout
+    env.pop(password_variable("client"))
+    missing = subprocess.run([nats_server_binary(), "-c", str(DEPLOY / conf), "-t"],
+                             capture_output=True, text=True, env=env, timeout=30)
+    assert missing.returncode != 0 and "TOOLBUS_CLIENT_PASSWORD" in missing.stderr
+
+
+def _password() -> str:
+    """As deploy/nats/README.md says to make them: nats-server parses a variable's value
+    as a config value, so it starts with a letter and is alphanumeric."""
+    return "p" + secrets.token_hex(16)
+
+
+def test_redact_hides_passwords() -> None:
+    assert redact("nats://client:s3cr%2Ft@127.0.0.1:4222") == "nats://client:***@127.0.0.1:4222"
+    assert redact("nats://tok@h:1,nats://a:b@[::1]:2") == "nats://***@h:1,nats://a:***@[::1]:2"
+    assert redact("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+async def _check_roles(address: str, urls: dict[str, str]) -> None:
+    """The acceptance checks of the roles, for any server that enforces them."""
+    with pytest.raises(AuthError, match="refused the connection"):
+        await connect(address, name="anonymous")
+    wrong = urls["client"].replace("client:", "client:x", 1)
+    with pytest.raises(AuthError) as refused:
+        await connect(wrong, name="wrong-password")
+    assert "client:x" not in str(refused.value)  # no password in the message
+
+    sid = f"auth-{uuid.uuid4().hex[:8]}"
+    client = await connect(urls["client"], name="test-client")
+    try:
+        # Forging an event, the catalog, an approval, or managing streams: refused.
+        for subject in (event_subject(sid, "call.succeeded"),
+                        event_subject(sid, "approval.granted", "c1"),
+                        "$KV.toolbus_catalog.evil.tool",
+                        "$KV.toolbus_approvals.x.y",
+                        approval_subject(sid, "c1", "client"),
+                        approval_subject(sid, "c1", "approver"),
+                        "$JS.API.STREAM.PURGE.TOOLBUS_EVENTS",
+                        "$JS.API.CONSUMER.CREATE.TOOLBUS_EVENTS",
+                        "$JS.API.CONSUMER.MSG.NEXT.TOOLBUS_EVENTS.session",
+                        "toolbus.live.x.call.succeeded"):
+            with pytest.raises(PermissionDeniedError, match="denies the client role"):
+                await client.request(subject, b"{}", timeout=5)
+        # Nor by aiming an answer at one: a publish acknowledgement or an actor's reply
+        # sent to a reply subject of the client's choosing.
+        for subject in ("toolbus.req.x", f"toolbus.ctl.state.{sid}"):
+            for target in (event_subject(sid, "call.succeeded", "c1"),
+                           "$KV.toolbus_catalog.built-in.echo"):
+                await client.nc.publish(subject, b"digest", reply=target)
+        await client.nc.flush()
+        await asyncio.sleep(0.5)
+        assert run_toolbus("replay", sid, "--nats", urls["client"]).stdout == ""
+        listed = run_toolbus("tools", "--nats", urls["client"])
+        assert "built-in:echo" in listed.stdout, listed.stderr
+        # Requests, live events and reads work: what any NATS client does.
+        events = await _raw_call(urls["client"], sid)
+        assert [e["type"] for e in events][-1] == "turn.completed"
+        assert events[-1]["outcomes"][0]["status"] == "succeeded"
+        replay = run_toolbus("replay", sid, "--json", "--nats", urls["client"])
+        assert replay.returncode == 0, replay.stderr
+        types = [json.loads(line).get("event", {}).get("type") for line in
+                 replay.stdout.splitlines()]
+        assert "call.succeeded" in types and "approval.granted" not in types
+        state = run_toolbus("state", sid, "--nats", urls["client"])
+        assert json.loads(state.stdout) == json.loads(replay.stdout.splitlines()[-1])["state"]
+        tools = run_toolbus("tools", "--nats", urls["client"])
+        assert "approvals:write" in tools.stdout, tools.stderr
+    finally:
+        await client.close()
+
+    admin = await connect(urls["admin"], name="test-admin")
+    try:  # the operator inspects and trims the store, but writes no event
+        assert b"TOOLBUS_EVENTS" in await admin.request("$JS.API.STREAM.INFO.TOOLBUS_EVENTS",
+                                                        b"", timeout=5)
+        for subject in (event_subject(sid, "call.succeeded"),
+                        "$JS.API.STREAM.UPDATE.TOOLBUS_EVENTS", "$KV.toolbus_catalog.x.y",
+                        "$JS.API.STREAM.CREATE.EVIL", "_INBOX.anything"):
+            with pytest.raises(PermissionDeniedError, match="denies the admin role"):
+                await admin.request(subject, b"{}", timeout=5)
+    finally:
+        await admin.close()
+
+    out = run_toolbus("call", "built-in:echo", '{"as": "client"}', "--nats", urls["client"])
+    assert out.returncode == 0 and out.stdout == '{"as":"client"}\n', out.stderr
+
+    # A call that needs a human: the client waits, the approver decides.
+    asid = f"auth-a-{uuid.uuid4().hex[:8]}"
+    waiting = await asyncio.to_thread(
+        subprocess.Popen,
+        [*_toolbus(), "call", "approvals:write", '{"text": "x"}', "--session", asid,
+         "--nats", urls["client"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO)
+    try:
+        call_id = await _pending_call(urls["approver"], asid)
+        as_client = run_toolbus("approve", call_id, "--session", asid, "--nats", urls["client"])
+        assert as_client.returncode == 3, as_client.stderr
+        assert "denies the client role publishing" in as_client.stderr
+        approved = run_toolbus("approve", call_id, "--session", asid, "--by", "alice",
+                               "--nats", urls["approver"])
+        assert approved.returncode == 0, approved.stderr
+        out_text, err = waiting.communicate(timeout=30)
+        assert waiting.returncode == 0, err
+        assert out_text == '{"wrote":"x"}\n'
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    replay = run_toolbus("replay", asid, "--json", "--nats", urls["client"])
+    granted = [json.loads(line)["event"] for line in replay.stdout.splitlines()
+               if json.loads(line).get("event", {}).get("type") == "approval.granted"]
+    assert len(granted) == 1
+    assert granted[0]["by"] == "alice" and granted[0]["principal"] == "approver"
+
+
+def _toolbus() -> list[str]:
+    import sys
+    return [sys.executable, "-m", "services.cli"]
+
+
+async def _pending_call(approver_url: str, sid: str) -> str:
+    async with asyncio.timeout(20):
+        while True:
+            listed = await asyncio.to_thread(run_toolbus, "approvals", "--json", "--nats",
+                                             approver_url)
+            assert listed.returncode == 0, listed.stderr
+            for line in listed.stdout.splitlines():
+                item = json.loads(line)
+                if item["session_id"] == sid:
+                    return str(item["call_id"])
+            await asyncio.sleep(0.2)
+
+
+async def _raw_call(url: str, sid: str) -> list[dict]:
+    nc = await nats.connect(url)
+    got: list[dict] = []
+    done = asyncio.Event()
+
+    async def on_event(msg) -> None:
+        got.append(json.loads(msg.data))
+        if got[-1]["type"] in ("turn.completed", "turn.failed", "request.rejected"):
+            done.set()
+
+    try:
+        await nc.subscribe(f"toolbus.live.{sid}.>", cb=on_event)
+        await nc.jetstream().publish(f"toolbus.req.{sid}", json.dumps(
+            {"calls": [{"tool": "built-in:echo", "arguments": {"raw": 1}}]}).encode())
+        async with asyncio.timeout(15):
+            await done.wait()
+    finally:
+        await nc.close()
+    return got
+
+
+async def test_toolbus_up_enforces_the_roles(tmp_path: Path) -> None:
+    port = free_port()
+    data = tmp_path / "data"
+    up = Proc("up", "--port", str(port), "--data-dir", str(data), "--workers", "1",
+              "--tools", "tests/toolkit.py", ready="stop:")
+    try:
+        await up.wait_ready()
+        auth = data / "auth"
+        assert (auth.stat().st_mode & 0o777) == 0o700
+        for f in auth.iterdir():
+            assert (f.stat().st_mode & 0o077) == 0, f"{f} is readable by others"
+        urls = {r: role_url(data, r) for r in ROLES}
+        await _check_roles(f"nats://127.0.0.1:{port}", urls)
+    finally:
+        assert up.stop(signal.SIGINT) == 0
+    # The credentials are reused at the next start.
+    again = Proc("up", "--port", str(port), "--data-dir", str(data), "--workers", "1",
+                 ready="stop:")
+    try:
+        await again.wait_ready()
+        assert role_url(data, "client") == urls["client"]
+        bus: Bus = await connect(urls["client"], name="again")
+        await bus.close()
+    finally:
+        again.stop(signal.SIGINT)
+
+
+async def test_deploy_single_conf_enforces_the_same_roles(tmp_path: Path) -> None:
+    port = free_port()
+    passwords = {r: _password() for r in ROLES}
+    env = {**os.environ, **{password_variable(r): p for r, p in passwords.items()}}
+    server: subprocess.Popen[bytes] = await asyncio.to_thread(
+        subprocess.Popen,
+        # Its store is ./toolbus-data/jetstream: here, in the test's folder.
+        [nats_server_binary(), "-c", str(DEPLOY / "single.conf"), "-p", str(port)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    urls = {r: f"nats://{r}:{p}@127.0.0.1:{port}" for r, p in passwords.items()}
+    up: Proc | None = None
+    try:
+        await _listening(port, server)
+        up = Proc("up", "--nats", urls["actor"], "--workers", "1", "--tools",
+                  "tests/toolkit.py", ready="stop:")
+        banner = await up.wait_ready()
+        assert passwords["actor"] not in banner
+        await _check_roles(f"nats://127.0.0.1:{port}", urls)
+    finally:
+        if up is not None:
+            up.stop(signal.SIGINT)
+        server.terminate()
+        server.wait(10)
+        if server.stderr is not None:
+            server.stderr.close()
+
+
+async def _listening(port: int, server: subprocess.Popen[bytes]) -> None:
+    async with asyncio.timeout(15):
+        while True:
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            return
+
+
+async def test_no_auth_says_so_loudly(tmp_path: Path) -> None:
+    port = free_port()
+    up = Proc("up", "--port", str(port), "--data-dir", str(tmp_path), "--workers", "1",
+              "--no-auth", ready="stop:")
+    try:
+        banner = await up.wait_ready()
+        assert "auth:   OFF (--no-auth)" in banner
+        bus = await connect(f"nats://127.0.0.1:{port}", name="anyone")
+        await bus.close()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(20) == 0
+        assert up.proc.stderr is not None
+        assert "WARNING: --no-auth" in up.proc.stderr.read()
+    finally:
+        up.stop(signal.SIGINT)
+
+
+# --- the read-only roles read everything they may without creating a consumer ---------
+
+
+@pytest.fixture
+async def client_bus(nats_server, bus: Bus):  # `bus` provisions the streams first
+    b = await connect(nats_server.url_for("client"), name="test-client-role")
+    yield b
+    await b.close()
+
+
+async def test_a_client_reads_a_long_session_and_a_large_result_by_direct_gets(
+        bus: Bus, client, client_bus: Bus, sid: str) -> None:
+    from bus.artifacts import ArtifactStore
+    from bus.eventlog import EventLog
+
+    for _ in range(7):  # past the length at which an actor reads with a consumer
+        await client.call(sid, [{"tool": "built-in:echo", "arguments": {"i": i}}
+                                for i in range(64)])
+    log = EventLog(bus)
+    as_actor = await log.read_session(sid)
+    as_client = await EventLog(client_bus).read_session(sid)
+    assert len(as_client) > 2_100 and as_client == as_actor
+
+    data = b'"' + b"y" * 3_000_000 + b'"'  # 23 chunks
+    ref = await ArtifactStore(bus).put(sid, "c-1", 1, data)
+    assert await ArtifactStore(client_bus).read(ref) == data

@@ -1,0 +1,109 @@
+"""Every command as a new user tries it: bad flags, a missing or refusing server, a closed
+pipe. Each ends with one clear line and its exit code, never a traceback or a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from bus.server import free_port
+from schemas.events import TurnCompleted
+from tests.conftest import REPO, run_toolbus, toolbus_cmd
+
+
+def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines, "no message at all"
+    return lines[-1]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("up", "--port", "99999"), "argument --port: 99999 is not a TCP port: give 1 to 65535"),
+    (("up", "--port", "-1"), "argument --port: -1 is not a TCP port"),
+    (("up", "--http-port", "99999"), "argument --http-port: 99999 is not a TCP port"),
+    (("up", "--workers", "0"), "--workers 0"),
+    (("call", "built-in:echo", "--timeout", "-1"), "argument --timeout: -1 is not a positive"),
+    (("call", "built-in:echo", "--timeout", "soon"), "argument --timeout: invalid float"),
+    (("replay", "s", "--until", "0"), "argument --until: 0 is not a positive"),
+    (("bench", "calls", "--n", "0"), "argument --n: 0 is not a positive"),
+    (("state", "no.dots"), "invalid session id 'no.dots'"),
+    (("tools", "show"), "tools show needs a NAME"),
+])
+def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
+                                            tmp_path: Path) -> None:
+    out = run_toolbus(*args, "--data-dir", str(tmp_path)) if args[0] in (
+        "call", "replay", "state", "tools") else run_toolbus(*args)
+    assert out.returncode == 2, out.stderr
+    assert says in _one_clear_line(out)
+
+
+@pytest.mark.parametrize("args", [
+    ("call", "built-in:echo", "{}"), ("replay", "s1"), ("state", "s1"), ("tools",),
+    ("executors",), ("approvals",), ("approve", "c1", "--session", "s1"),
+    ("deny", "c1", "--session", "s1", "--reason", "no"), ("tools", "remove", "x:y"),
+])
+def test_every_client_command_without_a_server_says_how_to_start_one(
+        args: tuple[str, ...], tmp_path: Path) -> None:
+    out = run_toolbus(*args, "--nats", f"nats://127.0.0.1:{free_port()}",
+                      "--data-dir", str(tmp_path), timeout=30)
+    assert out.returncode == 3, out.stderr
+    line = _one_clear_line(out)
+    assert "cannot reach NATS at nats://127.0.0.1:" in line and "toolbus up" in line
+
+
+def test_wrong_credentials_are_refused_in_one_line_without_the_password(
+        nats_server) -> None:
+    wrong = nats_server.url_for("client").replace("client:", "client:zz", 1)
+    out = run_toolbus("call", "built-in:echo", "{}", "--nats", wrong)
+    assert out.returncode == 3
+    line = _one_clear_line(out)
+    assert "refused the connection" in line and "client:***@" in line
+    assert wrong.split("@")[0].split(":")[-1] not in out.stderr  # no password shown
+
+
+def test_a_client_may_not_do_what_its_role_may_not(nats_server, system) -> None:
+    out = run_toolbus("tools", "remove", "built-in:echo", "--force", "--nats",
+                      nats_server.url_for("client"))
+    assert out.returncode == 3, out.stderr
+    line = _one_clear_line(out)
+    assert "NATS refused this role's publish to" in line and "permissions violation" in line
+
+
+def test_a_server_toolbus_never_set_up_is_named_as_such(tmp_path: Path) -> None:
+    from bus.server import EmbeddedServer
+
+    with EmbeddedServer(tmp_path, port=free_port()) as bare:
+        out = run_toolbus("tools", "--nats", bare.url_for("client"))
+    assert out.returncode == 3, out.stderr
+    assert "Is this server toolbus's?" in _one_clear_line(out)
+
+
+async def test_replay_into_a_closed_pipe_ends_quietly(client, nats_url: str) -> None:
+    sid = f"pipe-{uuid.uuid4().hex[:8]}"
+    for _ in range(3):  # about 1,200 events: far more output than a pipe holds
+        end = await client.call(sid, [{"tool": "built-in:echo", "arguments": {"i": i}}
+                                      for i in range(64)])
+        assert isinstance(end, TurnCompleted)
+    # `toolbus replay SID | head -1`, as a shell runs it.
+    cmd = " ".join(toolbus_cmd("replay", sid, "--json", "--nats", f"'{nats_url}'"))
+    out = await asyncio.to_thread(
+        subprocess.run, ["bash", "-o", "pipefail", "-c", f"{cmd} | head -1"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.stdout.count("\n") == 1 and '"turn.requested"' in out.stdout
+    assert out.stderr == "", out.stderr
+    assert out.returncode == 0
+
+
+def test_bench_validation_works_without_the_dev_only_package(tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "fastjsonschema.py").write_text("raise ImportError('not installed')\n")
+    out = run_toolbus("bench", "validation", PYTHONPATH=str(shadow))
+    assert out.returncode == 0, out.stderr
+    assert "fastjsonschema: not installed" in out.stdout
+    assert "toolbus (jsonschema-rs + defaults), valid" in out.stdout
