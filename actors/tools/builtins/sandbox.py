@@ -46,8 +46,10 @@ only by MAX_OPEN_FILES per process and the host's limits (see the README).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import platform
 import resource
@@ -56,6 +58,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -332,8 +335,8 @@ class Sandbox:
                 a += ["--ro-bind", d, d]
         for src, dest in binds:
             a += ["--ro-bind-try", src, dest]
-        # TMP here is the tmpfs child_setup mounted over the host's, in its own namespace.
-        a += ["--bind", TMP, TMP, "--file", str(script_fd), f"{TMP}/{script_name}",
+        # The tmpfs child_setup mounted, in its own namespace, on an empty folder of ours.
+        a += ["--bind", _mount_point(), TMP, "--file", str(script_fd), f"{TMP}/{script_name}",
               "--chdir", TMP, "--seccomp", str(seccomp_fd)]
         # In a user namespace the sandbox's user owns the root and /dev tmpfs bwrap made.
         a += ["--remount-ro", "/dev", "--remount-ro", "/"]
@@ -349,6 +352,8 @@ class Sandbox:
         uid, gid = os.getuid(), os.getgid()
         flags = _CLONE_NEWNS if self.as_root else _CLONE_NEWNS | _CLONE_NEWUSER
         tmpfs = f"size={TMP_BYTES},nr_inodes={TMP_FILES},mode=1777".encode()
+        # Not over the host's /tmp: bwrap itself, or what it binds, may live under it.
+        where = _mount_point().encode()
         maps = [] if self.as_root else [("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
                                         ("gid_map", f"{gid} {gid} 1")]
 
@@ -372,13 +377,13 @@ class Sandbox:
                         os.close(fd)
                 except OSError as exc:
                     _fail(f"cannot write /proc/self/{name}", exc.errno or 0)
-            # Private, so that the tmpfs over the host's /tmp stays in this namespace.
+            # Private, so that the tmpfs stays in this namespace.
             if libc.mount(b"none", b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE),
                           None) != 0:
                 _fail("cannot make its mounts private", ctypes.get_errno())
-            if libc.mount(b"tmpfs", TMP.encode(), b"tmpfs",
+            if libc.mount(b"tmpfs", where, b"tmpfs",
                           ctypes.c_ulong(_MS_NOSUID | _MS_NODEV), tmpfs) != 0:
-                _fail(f"cannot mount a tmpfs at {TMP}", ctypes.get_errno())
+                _fail(f"cannot mount a tmpfs at {where.decode()}", ctypes.get_errno())
         return setup
 
     def check(self) -> str | None:
@@ -427,6 +432,21 @@ class Sandbox:
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(proc.pid, signal.SIGKILL)
                         await proc.wait()
+
+
+@functools.cache
+def _mount_point() -> str:
+    """An empty folder of this process, where each run's child mounts its tmpfs (in its
+    own mount namespace, so runs never share it), for bwrap to bind at /tmp."""
+    path = tempfile.mkdtemp(prefix="toolbus-sandbox-")
+    os.chmod(path, 0o755)
+    atexit.register(_remove_quietly, path)
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 class _Fds:
