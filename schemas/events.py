@@ -253,6 +253,11 @@ def decode_event(data: bytes) -> AnyEvent:
     return event
 
 
+def _as(principal: str | None) -> str:
+    """Who NATS says decided, when it differs from the name given."""
+    return f" (as {principal})" if principal else ""
+
+
 def summarize(event: Event) -> str:
     """One human line about an event, for timelines."""
     match event:
@@ -280,9 +285,10 @@ def summarize(event: Event) -> str:
                     f"{event.risk}: {_clip(event.reason)}")
         case ApprovalGranted():
             note = f": {_clip(event.note)}" if event.note else ""
-            return f"{event.call_id} approved by {event.by}{note}"
+            return f"{event.call_id} approved by {event.by}{_as(event.principal)}{note}"
         case ApprovalDenied():
-            return f"{event.call_id} denied by {event.by} [{event.rule}]: {_clip(event.reason)}"
+            return (f"{event.call_id} denied by {event.by}{_as(event.principal)} "
+                    f"[{event.rule}]: {_clip(event.reason)}")
         case CallDispatched():
             return f"{event.call_id} {event.tool} -> {event.route}"
         case CallStarted():

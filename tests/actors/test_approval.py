@@ -205,7 +205,7 @@ async def test_a_raw_nats_approval_lets_the_call_run_and_repeats_are_refused(
     assert nothing["code"] == "not_found"
     replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats",
                                      nats_url)  # who approved what, when and why
-    assert "approved by ada: fine" in replay.stdout
+    assert "approved by ada (as tester): fine" in replay.stdout
     assert "needs a human [rule policy:mutating]" in replay.stdout
 
 
