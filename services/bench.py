@@ -243,9 +243,10 @@ async def _system(nats_url: str | None, *up_args: str,
     async with _server(None, fsync=fsync) as url:
         with tempfile.TemporaryFile() as errors:
             proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
-                [sys.executable, "-m", "services.cli", "up", "--nats", url, *up_args],
+                # The URL holds the actor's password: in the environment, not in argv.
+                [sys.executable, "-m", "services.cli", "up", *up_args],
                 stdout=subprocess.PIPE, stderr=errors, text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "NATS_URL": url},
             )
             try:
                 assert proc.stdout is not None
@@ -528,12 +529,12 @@ def _toolbus_command() -> list[str]:
     return [script] if script else [sys.executable, "-m", "services.cli"]
 
 
-def _wall_s(cmd: list[str], runs: int) -> list[float]:
+def _wall_s(cmd: list[str], runs: int, env: dict[str, str] | None = None) -> list[float]:
     out = []
     for _ in range(runs):
         t = time.perf_counter()
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=True,
-                       timeout=120)
+                       timeout=120, env={**os.environ, **(env or {})})
         out.append(time.perf_counter() - t)
     return out
 
@@ -577,8 +578,8 @@ async def bench_replay(nats_url: str | None, *, events: int = 10_000, runs: int 
         if len(stored) != events or len(state.turns) != -(-events // EVENTS_PER_TURN):
             raise RuntimeError(f"replayed {len(stored)} events, {len(state.turns)} turns; "
                                f"stored {events}")
-        cli = [*_toolbus_command(), "replay", sid, "--json", "--nats", url]
-        replay_cli = await asyncio.to_thread(_wall_s, cli, cli_runs)
+        cli = [*_toolbus_command(), "replay", sid, "--json"]
+        replay_cli = await asyncio.to_thread(_wall_s, cli, cli_runs, {"NATS_URL": url})
     import_cli = await asyncio.to_thread(
         _wall_s, [sys.executable, "-c", "import services.cli"], cli_runs)
     bare = await asyncio.to_thread(_wall_s, [sys.executable, "-c", "pass"], cli_runs)

@@ -238,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        # `up` runs its own server unless told of one (`--nats` or $NATS_URL).
+        external = getattr(args, "nats", None) or os.environ.get("NATS_URL")
         url = nats_url_for(_role(args), getattr(args, "nats", None),
                            getattr(args, "data_dir", None))
         if _role(args) == "actor":
@@ -248,8 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "up":
                 from services.runtime import up
                 data_dir = args.data_dir or default_data_dir()
-                given = nats_url_for("actor", args.nats, data_dir) if args.nats else None
-                return up(nats_url=given, data_dir=data_dir,
+                return up(nats_url=url if external else None, data_dir=data_dir,
                           port=args.port, settings=_actor_settings(args), fsync=args.fsync,
                           workers=args.workers, auth=not args.no_auth)
             case "actor":

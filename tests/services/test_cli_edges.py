@@ -107,3 +107,25 @@ def test_bench_validation_works_without_the_dev_only_package(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     assert "fastjsonschema: not installed" in out.stdout
     assert "toolbus (jsonschema-rs + defaults), valid" in out.stdout
+
+
+async def test_up_takes_its_server_from_nats_url_and_keeps_passwords_out_of_argv(
+        tmp_path: Path) -> None:
+    import re
+
+    from bus.server import EmbeddedServer
+    from tests.conftest import Proc
+
+    with EmbeddedServer(tmp_path / "nats", port=free_port()) as server:
+        up = Proc("up", "--workers", "2", "--data-dir", str(tmp_path / "data"),
+                  ready="stop:", env={"NATS_URL": server.url})
+        try:
+            banner = await up.wait_ready()
+            assert f"toolbus is up: nats://actor:***@127.0.0.1:{server.port}" in banner
+            worker = int(re.search(r"process (\d+) \(worker 1\)", banner).group(1))  # type: ignore[union-attr]
+            for pid in (up.pid, worker):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                assert not any(b"@" in part for part in argv), argv
+        finally:
+            code = up.stop()
+    assert code == 0
