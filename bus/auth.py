@@ -121,14 +121,17 @@ class Credentials:
         if secrets_file.exists():
             try:
                 stored = json.loads(secrets_file.read_text())
+                if not isinstance(stored, dict):
+                    raise ValueError("not a JSON object")
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"{secrets_file} is unreadable ({exc}): delete the folder "
                                   f"{creds.dir} to issue new credentials") from exc
         changed = False
         for role in ROLES:
             entry = stored.get(role)
-            if not isinstance(entry, dict) or not entry.get("password") or \
-                    not entry.get("token"):
+            if not isinstance(entry, dict) or not isinstance(entry.get("password"), str) \
+                    or not isinstance(entry.get("token"), str) or not entry["password"] \
+                    or not entry["token"]:
                 entry = {"password": secrets.token_urlsafe(24),
                          "token": secrets.token_urlsafe(32)}
                 stored[role] = entry

@@ -302,3 +302,25 @@ async def test_a_client_reads_a_long_session_and_a_large_result_by_direct_gets(
     data = b'"' + b"y" * 3_000_000 + b'"'  # 23 chunks
     ref = await ArtifactStore(bus).put(sid, "c-1", 1, data)
     assert await ArtifactStore(client_bus).read(ref) == data
+
+
+@pytest.mark.parametrize("content", ["{garbage", '["x"]'])
+def test_a_damaged_secrets_file_is_one_clear_line(tmp_path: Path, content: str) -> None:
+    (tmp_path / "auth").mkdir()
+    (tmp_path / "auth" / "secrets.json").write_text(content)
+    out = run_toolbus("up", "--data-dir", str(tmp_path), "--port", str(free_port()),
+                      timeout=30)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "secrets.json is unreadable" in out.stderr and "delete the folder" in out.stderr
+
+
+def test_a_damaged_role_entry_is_issued_again_and_the_others_kept(tmp_path: Path) -> None:
+    from bus.auth import Credentials
+
+    first = Credentials.ensure(tmp_path)
+    stored = json.loads((tmp_path / "auth" / "secrets.json").read_text())
+    stored["client"] = 7
+    (tmp_path / "auth" / "secrets.json").write_text(json.dumps(stored))
+    again = Credentials.ensure(tmp_path)
+    assert again.roles["actor"] == first.roles["actor"]
+    assert again.roles["client"].password != first.roles["client"].password
