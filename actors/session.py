@@ -130,7 +130,8 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     call_ids = [call_id_for(turn_id, i) for i in range(len(request.calls))]
     agent = request.agent or default_agent
     out = [Append(TurnRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
-                                request_id=request_id, call_ids=call_ids, agent=agent),
+                                request_id=request_id, call_ids=call_ids, agent=agent,
+                                message=request.message),
                   turn_requested_id(sid, turn_id))]
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,
@@ -208,6 +209,11 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
+        if turn.message is not None:
+            # A planner turn: its calls are dispatched here, but only the planner knows
+            # when it is over (the model may ask for more).
+            out.extend(_due_in_turn(state, turn, max_parallel, now))
+            continue
         if turn_is_done(state, turn):
             outcomes = turn_outcomes(state, turn)
             if outcomes and all(o.status == "rejected" for o in outcomes):
@@ -229,12 +235,20 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
 
 def decide_request(state: SessionState, request: Request, request_id: str, *, now: float,
                    subject: str, request_seq: int, approver: InlineApprover | None = None,
-                   max_parallel: int = 3, default_agent: str = DEFAULT_AGENT) -> list[Append]:
+                   max_parallel: int = 3, default_agent: str = DEFAULT_AGENT,
+                   accept_messages: bool = False) -> list[Append]:
     """The events a request makes due in its session: a new turn, the calls a crash left
     out of a stored turn, or a `duplicate_request` rejection."""
     sid = state.session_id
     turn_id = turn_id_for(request_id)
     known = state.turns.get(turn_id)
+    if known is None and request.message is not None and not accept_messages:
+        return [Append(RequestRejected(
+            session_id=sid, at=now, actor=ACTOR, reason="no_planner",
+            request_id=request_id, subject=subject,
+            message="this toolbus runs no planner, so nothing can answer a message: give "
+                    "the manifest an agent_config.model, or send explicit calls"),
+            request_rejected_id(request_seq))]
     if known is None:
         return accept_request(state, request, request_id, now=now, approver=approver,
                               max_parallel=max_parallel, default_agent=default_agent)
@@ -294,9 +308,13 @@ class SessionActor:
         max_calls: int = DEFAULT_MAX_CALLS,
         cache_size: int = SESSION_CACHE_SIZE,
         default_agent: str = DEFAULT_AGENT,
+        accept_messages: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`accept_messages`: a planner runs (actors/planner.py), so a request with a
+        `message` starts a turn; without one it is refused (`no_planner`)."""
         self._kernel = Kernel(bus, ACTOR, clock=clock)
+        self._accept_messages = accept_messages
         self._states = SessionStates(bus, self._kernel.log, size=cache_size,
                                      snapshot_every=SNAPSHOT_EVERY)
         self._max_parallel = max_parallel
@@ -396,7 +414,8 @@ class SessionActor:
             return decide_request(state, request, request_id, now=self._clock(),
                                   subject=subject, request_seq=delivery.stream_seq,
                                   approver=approver, max_parallel=self._max_parallel,
-                                  default_agent=self._default_agent)
+                                  default_agent=self._default_agent,
+                                  accept_messages=self._accept_messages)
 
         for _ in range(DECIDE_ATTEMPTS):
             await self._states.catch_up(entry)

@@ -112,6 +112,13 @@ class ToolbusClient:
                     break
         return w
 
+    async def ask(self, session_id: str, message: str, *, request_id: str | None = None,
+                  agent: str | None = None, timeout: float = 120.0) -> TurnEnd:
+        """Send the agent a message and wait (bounded) for the end of its turn: the
+        planner's answer is `TurnCompleted.text`."""
+        return await self.call(session_id, [], request_id=request_id, agent=agent,
+                               timeout=timeout, message=message)
+
     async def call(
         self,
         session_id: str,
@@ -121,6 +128,7 @@ class ToolbusClient:
         agent: str | None = None,
         timeout: float = 60.0,
         full: bool = False,
+        message: str | None = None,
     ) -> TurnEnd:
         """Submit one request and wait (bounded) for how its turn ended.
 
@@ -136,7 +144,11 @@ class ToolbusClient:
         watcher.waiting[turn_id] = fut
         try:
             async with asyncio.timeout(timeout):
-                request: dict[str, Any] = {"request_id": request_id, "calls": calls}
+                request: dict[str, Any] = {"request_id": request_id}
+                if message is not None:
+                    request["message"] = message
+                else:
+                    request["calls"] = calls
                 if agent is not None:
                     request["agent"] = agent
                 body = msgspec.json.encode(request)

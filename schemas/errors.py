@@ -8,6 +8,8 @@
     │   └── ToolConflictError     two sources register the same tool name
     ├── RpcError                  an actor answered a request with an error (has a `code`)
     ├── WorkerError               a worker process of `toolbus up --workers N` failed
+    ├── ModelError                an LLM provider call failed (has `kind`, `status`,
+    │                             `retryable`; quotes the provider's message, never a key)
     └── BusError                  anything that went wrong talking to NATS
         ├── ConnectError          the server could not be reached
         │   └── AuthError         it refused the credentials
@@ -79,6 +81,53 @@ class WorkerError(ToolbusError):
         self.code = code
         self.detail = detail
         super().__init__(f"worker {worker} {detail}")
+
+
+class ModelError(ToolbusError):
+    """A call to an LLM provider failed. `kind` is stable (match on it): `auth` (401/403:
+    fix the key), `bad_request` (400 and other 4xx: the request is wrong as sent),
+    `rate_limited` (429 after the retries ran out), `unavailable` (connection errors, 408,
+    409, 5xx after the retries ran out), `partial_stream` (the stream broke after some
+    text was already delivered: `partial` is True and the call was not retried, because
+    the deltas already published belong to a reply that will never complete). The call
+    has no side effects, so a `retryable` one may be made again whole. `message` is the
+    provider's own, clipped and with anything key-like removed."""
+
+    _ADVICE = {
+        "auth": "check the API key the manifest gives this model (its ${VAR})",
+        "bad_request": "the provider refused the request as sent: fix the model settings "
+                       "or the conversation",
+        "rate_limited": "try again later, or lower the request rate",
+        "unavailable": "try again later",
+        "partial_stream": "the call may be made again whole; the text already delivered "
+                          "belongs to no reply",
+    }
+
+    def __init__(self, kind: str, message: str, *, provider: str, status: int | None = None,
+                 retryable: bool = False, attempts: int = 1,
+                 retry_after_s: float | None = None) -> None:
+        self.kind = kind
+        self.message = message
+        self.provider = provider
+        self.status = status
+        self.retryable = retryable
+        self.attempts = attempts
+        self.retry_after_s = retry_after_s  # the server's wait hint, for the retry loop
+        answered = f"answered {status}" if status is not None else "failed"
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        super().__init__(f"{provider} {answered} ({kind}){tries}: {message.rstrip('.')}. "
+                         f"{self._ADVICE.get(kind, 'see the message')}")
+
+    @property
+    def partial(self) -> bool:
+        return self.kind == "partial_stream"
+
+    def after(self, attempts: int, note: str = "") -> ModelError:
+        """The same failure, told as the last of `attempts` (with a note on why no more)."""
+        message = f"{self.message}; {note}" if note else self.message
+        return ModelError(self.kind, message, provider=self.provider, status=self.status,
+                          retryable=self.retryable, attempts=attempts,
+                          retry_after_s=self.retry_after_s)
 
 
 class BusError(ToolbusError):

@@ -63,6 +63,44 @@ class TurnRequested(Event, frozen=True, tag="turn.requested"):
     request_id: str
     call_ids: list[str]
     agent: str | None = None  # who asks: tool grants are per agent
+    # A planner turn: the user's message; the model decides the calls (none given).
+    message: str | None = None
+
+
+class ModelToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One tool call a model asked for: its toolbus call id (assigned when the response
+    is stored), the provider's id for it, and what the provider needs echoed."""
+
+    call_id: str
+    id: str
+    name: str
+    arguments: Any
+    extra: dict[str, Any] = {}
+
+
+class ModelRequested(Event, frozen=True, tag="model.requested"):
+    """The planner is calling the model for a turn. Never the history again: the turn's
+    events are it. The digests say what was offered."""
+
+    turn_id: str
+    iteration: int
+    provider: str
+    model: str
+    tools: int  # how many tools were offered
+    tools_digest: str
+    settings: dict[str, Any] = {}
+
+
+class ModelResponded(Event, frozen=True, tag="model.responded"):
+    turn_id: str
+    iteration: int
+    text: str
+    tool_calls: list[ModelToolCall] = []
+    finish_reason: str | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    latency_ms: float = 0.0
+    response_id: str | None = None
 
 
 class CallRequested(Event, frozen=True, tag="call.requested"):
@@ -181,6 +219,7 @@ class TurnCompleted(Event, frozen=True, tag="turn.completed"):
     request_id: str
     ok: bool
     outcomes: list[CallOutcome]
+    text: str | None = None  # a planner turn's answer
 
 
 class TurnFailed(Event, frozen=True, tag="turn.failed"):
@@ -201,6 +240,8 @@ class RequestRejected(Event, frozen=True, tag="request.rejected"):
 
 AnyEvent = (
     TurnRequested
+    | ModelRequested
+    | ModelResponded
     | CallRequested
     | CallRejected
     | CallApproved
@@ -261,9 +302,22 @@ def _as(principal: str | None) -> str:
 def summarize(event: Event) -> str:
     """One human line about an event, for timelines."""
     match event:
+        case ModelRequested():
+            return (f"turn {event.turn_id}: {event.provider}/{event.model}, iteration "
+                    f"{event.iteration}, {event.tools} tool(s) offered")
+        case ModelResponded():
+            calls = ", ".join(f"{c.name} ({c.call_id})" for c in event.tool_calls)
+            said = f" {_clip(event.text)!r}" if event.text else ""
+            return (f"turn {event.turn_id} iteration {event.iteration}:{said}"
+                    + (f" calls {calls}" if calls else "")
+                    + f" [{event.input_tokens}+{event.output_tokens} tokens, "
+                    f"{event.latency_ms:.0f} ms]")
         case TurnRequested():
             n = len(event.call_ids)
             by = f", agent {event.agent}" if event.agent else ""
+            if event.message is not None:
+                return (f"turn {event.turn_id} (request {event.request_id}{by}): message "
+                        f"{_clip(event.message)!r}")
             return f"turn {event.turn_id} (request {event.request_id}{by}): {n} call(s)"
         case CallRequested():
             why = f"  reason: {event.reasoning}" if event.reasoning else ""
@@ -304,7 +358,9 @@ def summarize(event: Event) -> str:
             return f"{event.call_id} {event.error_type}: {_clip(event.message)}"
         case TurnCompleted():
             ok = sum(1 for o in event.outcomes if o.status == "succeeded")
-            return f"turn {event.turn_id}: {ok}/{len(event.outcomes)} call(s) succeeded"
+            answer = f"; answer {_clip(event.text)!r}" if event.text is not None else ""
+            return (f"turn {event.turn_id}: {ok}/{len(event.outcomes)} call(s) "
+                    f"succeeded{answer}")
         case TurnFailed():
             return f"turn {event.turn_id} failed ({event.reason}): {_clip(event.message)}"
         case RequestRejected():

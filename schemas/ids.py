@@ -96,6 +96,16 @@ def human_decision_id(session_id: str, call_id: str) -> str:
     return f"{session_id}:{call_id}:decision"
 
 
+def model_requested_id(session_id: str, turn_id: str, iteration: int) -> str:
+    return f"{session_id}:{turn_id}:model:{iteration}:requested"
+
+
+def model_responded_id(session_id: str, turn_id: str, iteration: int) -> str:
+    """A model answers each iteration once: a planner that re-ran the call after a crash
+    (the model call has no side effects) stores nothing new."""
+    return f"{session_id}:{turn_id}:model:{iteration}:responded"
+
+
 def dispatch_id(session_id: str, call_id: str) -> str:
     return f"{session_id}:{call_id}:dispatch"
 

@@ -15,6 +15,13 @@
       code: {pool: sandbox}
       git: {repo: .}
       web_search: {provider: tavily}   # key from TAVILY_API_KEY unless api_key is set
+    mcps: [...]                   # MCP servers (McpServerConfig)
+    policy: {...}                 # who may run what (schemas/policy.py)
+    agent_config:                 # the agent half, seed 000's section (AgentConfig)
+      model: {provider: openai, model: gpt-4o-mini, api_key: ${OPENAI_API_KEY}}
+      instructions: ...
+      context: {reevaluation_tools: [{id: crm:authenticate_customer}]}
+      policies: [{id: ..., when: ..., action: ..., tools: [...]}]
 
 `${VAR}` is replaced by the environment variable VAR (an error naming it if it is unset),
 `${VAR:-fallback}` falls back when it is unset or empty, `$${` is a literal `${`. Relative
@@ -26,13 +33,22 @@ Pure: the caller passes the text and the environment in.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Annotated, Any, Literal
 
+import jsonschema_rs
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    field_validator,
+    model_validator,
+)
 
 from schemas.errors import InvalidIdError, ManifestError
 from schemas.ids import check_namespace, split_tool_name
@@ -362,22 +378,273 @@ class PoolConfig(_Model):
     description: str = ""
 
 
-class Manifest(_Model):
-    version: Literal[1] = 1
-    pools: dict[str, PoolConfig] = {}
-    tools: ToolsSection = ToolsSection()
-    mcps: list[McpServerConfig] = []
-    policy: PolicyConfig = PolicyConfig()
+# --- the agent half: `agent_config:` ------------------------------------------------------
+#
+# Seed 000's section, and toolbus's one place for everything the planner needs: the model,
+# the instructions, the output schema, the limits, the reevaluation tools, the behaviour
+# policies (not to be confused with the top-level `policy:`, which decides who may run
+# which tool), named agents and think steps. It also takes seed 000's `mcps:` list.
+
+# Tools the planner itself provides (seed 000's built-ins): not in any server's catalog.
+PLANNER_TOOLS = ("built-in:reason", "built-in:emit_output")
+AGENT_TOOL_NAMESPACE = "agent"  # `agent:<name>` runs the named agent as a tool
+Token = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+
+
+def _tool_name(v: str) -> str:
+    try:
+        split_tool_name(v)
+    except InvalidIdError as exc:
+        raise ValueError(str(exc)) from exc
+    return v
+
+
+ToolName = Annotated[str, pydantic.AfterValidator(_tool_name)]
+
+
+def _tool_glob(v: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.:*?-]{1,257}", v) or (":" not in v and v != "*"):
+        raise ValueError(f"tool pattern {v!r}: write namespace:tool, with * and ? as "
+                         "wildcards, e.g. cars:* or built-in:echo")
+    return v
+
+
+ToolGlob = Annotated[str, pydantic.AfterValidator(_tool_glob)]
+
+
+def _json_schema(v: dict[str, Any]) -> dict[str, Any]:
+    try:
+        jsonschema_rs.validator_for(v)
+    except (jsonschema_rs.ValidationError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"not a valid JSON Schema: {first}") from exc
+    return v
+
+
+JsonSchema = Annotated[dict[str, Any], pydantic.AfterValidator(_json_schema)]
+
+
+def _jmespath(v: str) -> str:
+    try:
+        import jmespath  # the dependency is declared; a trimmed install skips the check
+    except ImportError:
+        return v
+    try:
+        jmespath.compile(v)
+    except jmespath.exceptions.JMESPathError as exc:
+        why = str(exc).splitlines()[0].removeprefix("Invalid jmespath expression: ")
+        at = getattr(exc, "lex_position", None)
+        raise ValueError(f"when_state {v!r} is not a JMESPath expression: "
+                         f"{why.rstrip(': ')}{f' (at character {at})' if at is not None else ''}"
+                         ) from exc
+    return v
+
+
+class ModelConfig(_Model):
+    """Which LLM the planner calls, and how."""
+
+    provider: Literal["openai", "openai-responses", "anthropic", "gemini"]
+    model: Annotated[str, Field(min_length=1)]
+    base_url: str | None = None  # any server speaking the provider's API
+    # Only ever from a variable (`${OPENAI_API_KEY}`): parse_manifest refuses a key
+    # written in the file. Empty (`${KEY:-}`) means none, for local servers.
+    api_key: str | None = Field(default=None, repr=False)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    max_tokens: Annotated[int, Field(gt=0)] | None = None  # per reply
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0  # per model call
+    max_retries: Annotated[int, Field(ge=0, le=20)] = 4  # retryable provider errors
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/?#]+", v):
+            raise ValueError(f"base_url must be an absolute http(s) URL, got {v!r}")
+        return v.rstrip("/") if v else v
+
+    @field_validator("api_key")
+    @classmethod
+    def _no_empty_key(cls, v: str | None) -> str | None:
+        return v or None
+
+
+class LimitsConfig(_Model):
+    max_iterations: Annotated[int, Field(ge=1, le=1000)] = 25  # model calls in one turn
+    max_reevaluations: Annotated[int, Field(ge=0, le=100)] = 3  # per turn
+    max_tokens_per_turn: Annotated[int, Field(gt=0)] | None = None
+    # A call rejected for its arguments goes back to the model this many times.
+    max_argument_retries: Annotated[int, Field(ge=0, le=20)] = 2
+
+
+class ToolRef(_Model):
+    id: ToolName
+
+
+class ContextConfig(_Model):
+    # After a successful call of one of these, the turn's policies are decided again.
+    reevaluation_tools: list[ToolRef] = []
+
+
+class ThinkStep(_Model):
+    """A typed inference (`built-in:reason`); its output lands in the step outputs."""
+
+    id: Token
+    instruction: Annotated[str, Field(min_length=1)]
+    output_schema: JsonSchema
+
+
+class AgentPolicy(_Model):
+    """One behaviour rule of seed 000: when it applies, what to do, with which tools."""
+
+    id: Token
+    when: str | None = None  # natural language, judged by the model
+    when_state: Annotated[str, pydantic.AfterValidator(_jmespath)] | None = None
+    action: Annotated[str, Field(min_length=1)]
+    tools: list[ToolName] = []
+    reevaluate_after: list[ToolName] = []
+    think: ThinkStep | None = None
+
+    @field_validator("reevaluate_after", mode="before")
+    @classmethod
+    def _ids(cls, v: Any) -> Any:
+        # Also seed 000's global form, `- id: crm:authenticate_customer`.
+        if isinstance(v, list):
+            return [x["id"] if isinstance(x, dict) and set(x) == {"id"} else x for x in v]
+        return v
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> AgentPolicy:
+        if self.when is not None and self.when_state is not None:
+            raise ValueError(f"policy {self.id}: give when (natural language) or when_state "
+                             "(JMESPath over the session state), not both")
+        return self
+
+
+class AgentDef(_Model):
+    """A named agent, offered to the others as the tool `agent:<name>`."""
+
+    instructions: Annotated[str, Field(min_length=1)]
+    model: ModelConfig | None = None  # default: agent_config.model
+    tools: list[ToolGlob] = []
+    output_schema: JsonSchema | None = None
+
+
+class AgentConfig(_Model):
+    mcps: list[McpServerConfig] = []  # seed 000's place; merged into Manifest.mcps
+    model: ModelConfig | None = None
+    instructions: str = ""
+    output_schema: JsonSchema | None = None  # the final answer (`built-in:emit_output`)
+    # native: the provider's tool calling; composed: seed 001's one composed schema.
+    mode: Literal["native", "composed"] = "native"
+    limits: LimitsConfig = LimitsConfig()
+    context: ContextConfig = ContextConfig()
+    policies: list[AgentPolicy] = []
+    think: list[ThinkStep] = []  # run at the start of each turn
+    agents: dict[Token, AgentDef] = {}
 
     @field_validator("mcps")
     @classmethod
     def _unique_ids(cls, v: list[McpServerConfig]) -> list[McpServerConfig]:
-        seen: set[str] = set()
-        for m in v:
-            if m.id in seen:
-                raise ValueError(f"two MCP servers have the id {m.id}")
-            seen.add(m.id)
-        return v
+        return _unique_server_ids(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentConfig:
+        seen: dict[str, str] = {}
+        for where, ident in [(f"policies[{i}].id", p.id) for i, p in enumerate(self.policies)]:
+            if ident in seen:
+                raise ValueError(f"{where}: policy id {ident} is also {seen[ident]}")
+            seen[ident] = where
+        steps = [(f"think[{i}].id", t.id) for i, t in enumerate(self.think)]
+        steps += [(f"policies[{i}].think.id", p.think.id)
+                  for i, p in enumerate(self.policies) if p.think is not None]
+        seen = {}
+        for where, ident in steps:  # one namespace: the step outputs
+            if ident in seen:
+                raise ValueError(f"{where}: think step id {ident} is also {seen[ident]}")
+            seen[ident] = where
+        for name, agent in self.agents.items():
+            if agent.model is None and self.model is None:
+                raise ValueError(f"agents.{name}: no model; set agents.{name}.model or "
+                                 "agent_config.model")
+        for where, tool in self.tool_refs():
+            ns, name = split_tool_name(tool)
+            if ns == AGENT_TOOL_NAMESPACE and name not in self.agents:
+                raise ValueError(f"{where}: {tool} names no agent; agents: "
+                                 f"{', '.join(sorted(self.agents)) or '(none)'}")
+        return self
+
+    def tool_refs(self) -> list[tuple[str, str]]:
+        """Every tool id the section names, with its key path."""
+        refs = [(f"agent_config.context.reevaluation_tools[{i}].id", r.id)
+                for i, r in enumerate(self.context.reevaluation_tools)]
+        for i, p in enumerate(self.policies):
+            refs += [(f"agent_config.policies[{i}].tools[{j}]", t) for j, t in enumerate(p.tools)]
+            refs += [(f"agent_config.policies[{i}].reevaluate_after[{j}]", t)
+                     for j, t in enumerate(p.reevaluate_after)]
+        return refs
+
+
+_LISTED = 20  # tool names an error lists at most
+
+
+def unknown_tool_refs(manifest: Manifest, served: Mapping[str, Collection[str]], *,
+                      complete: bool) -> list[str]:
+    """What the agent section names that the tools served here do not provide, a line each.
+
+    `served` maps each namespace this process serves whole (an MCP server it connected,
+    the local tools when it runs every pool) to its tool names. A namespace it does not
+    serve is an error only when `complete` (it serves every declared server and pool), as
+    `toolbus up` does; otherwise another process may serve it.
+    """
+    agent = manifest.agent_config
+    problems: list[str] = []
+    servers = {m.id for m in manifest.mcps}
+    for where, tool in agent.tool_refs():
+        ns, _ = split_tool_name(tool)
+        if tool in PLANNER_TOOLS or ns == AGENT_TOOL_NAMESPACE:
+            continue
+        if ns in served:
+            if tool not in served[ns]:
+                what = f"MCP server {ns}" if ns in servers else f"namespace {ns}"
+                names = sorted(served[ns])
+                # On the tool part: the shared namespace would make any two names alike.
+                close = difflib.get_close_matches(tool.partition(":")[2],
+                                                  [n.partition(":")[2] for n in names], n=1)
+                listed = ", ".join(names[:_LISTED]) or "nothing"
+                if len(names) > _LISTED:
+                    listed += f" and {len(names) - _LISTED} more"
+                problems.append(f"{where}: {tool} is not a tool of {what}"
+                                f"{f' (did you mean {ns}:{close[0]}?)' if close else ''}, which "
+                                f"has {listed}")
+        elif complete:
+            problems.append(f"{where}: {tool}: no declared MCP server or tool has the "
+                            f"namespace {ns} (MCP servers: "
+                            f"{', '.join(sorted(servers)) or 'none'}; tool namespaces: "
+                            f"{', '.join(sorted(set(served) - servers)) or 'none'})")
+    return problems
+
+
+def _unique_server_ids(v: list[McpServerConfig]) -> list[McpServerConfig]:
+    seen: set[str] = set()
+    for m in v:
+        if m.id in seen:
+            raise ValueError(f"two MCP servers have the id {m.id}")
+        seen.add(m.id)
+    return v
+
+
+class Manifest(_Model):
+    version: Literal[1] = 1
+    pools: dict[str, PoolConfig] = {}
+    tools: ToolsSection = ToolsSection()
+    # Every MCP server, once validated: these, then those of agent_config.mcps.
+    mcps: list[McpServerConfig] = []
+    policy: PolicyConfig = PolicyConfig()
+    agent_config: AgentConfig = AgentConfig()
+
+    @field_validator("mcps")
+    @classmethod
+    def _unique_ids(cls, v: list[McpServerConfig]) -> list[McpServerConfig]:
+        return _unique_server_ids(v)
 
     @model_validator(mode="after")
     def _pools_declared(self) -> Manifest:
@@ -389,11 +656,29 @@ class Manifest(_Model):
         used += [(f"tools.{k}.pool", getattr(t, k).pool)
                  for k in ("files", "code", "git", "web_search") if getattr(t, k) is not None]
         used += [(f"mcps[{i}].pool", m.pool) for i, m in enumerate(self.mcps)]
+        used += [(f"agent_config.mcps[{i}].pool", m.pool)
+                 for i, m in enumerate(self.agent_config.mcps)]
         for where, pool in used:
             if pool not in declared:
                 raise ValueError(f"{where}: pool {pool!r} is not declared under pools "
                                  f"(declared: {', '.join(sorted(declared))})")
         return self
+
+    # Defined after the other validators, so it wraps them: they see both lists as written
+    # (and name agent_config.mcps[i] in errors); everything after sees one list.
+    @model_validator(mode="wrap")
+    @classmethod
+    def _all_servers(cls, data: Any, handler: ModelWrapValidatorHandler[Manifest]) -> Manifest:
+        manifest = handler(data)
+        extra = manifest.agent_config.mcps
+        if not extra or isinstance(data, Manifest):
+            return manifest  # none, or an instance, merged when it was built
+        top = {m.id: i for i, m in enumerate(manifest.mcps)}
+        for i, m in enumerate(extra):
+            if m.id in top:
+                raise ValueError(f"agent_config.mcps[{i}].id: MCP server {m.id} is also "
+                                 f"declared under mcps[{top[m.id]}]; declare it once")
+        return manifest.model_copy(update={"mcps": [*manifest.mcps, *extra]})
 
     def pools_used(self) -> list[str]:
         t = self.tools
@@ -441,6 +726,40 @@ def resolve_vars(node: Any, env: Mapping[str, str], where: list[Any],
     return _VAR.sub(sub, node)
 
 
+# Secrets of the agent section come only from the environment: `${VAR}`, or `${VAR:-}`
+# for none. A key written in the file would end up in version control and in backups.
+_SECRET_REF = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-)?\}")
+_SECRET_KEYS = (("agent_config", "model", "api_key"),
+                ("agent_config", "agents", "*", "model", "api_key"),
+                ("agent_config", "mcps", "[]", "api_key"))
+
+
+def literal_secrets(raw: Any) -> list[str]:
+    """Where the unresolved YAML tree holds a key written out instead of `${VAR}`."""
+    problems: list[str] = []
+
+    def walk(node: Any, rest: tuple[str, ...], where: list[Any]) -> None:
+        if not rest:
+            if isinstance(node, str) and not _SECRET_REF.fullmatch(node.strip()):
+                problems.append(f"{_loc(where)}: a key written in the manifest is refused; "
+                                "put it in an environment variable and write ${VAR_NAME} "
+                                "(e.g. ${OPENAI_API_KEY})")
+            return
+        key, more = rest[0], rest[1:]
+        if key == "[]" and isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, more, [*where, i])
+        elif key == "*" and isinstance(node, dict):
+            for k, item in node.items():
+                walk(item, more, [*where, k])
+        elif isinstance(node, dict) and key in node:
+            walk(node[key], more, [*where, key])
+
+    for path in _SECRET_KEYS:
+        walk(raw, path, [])
+    return problems
+
+
 def with_base_dir(manifest: Manifest, join: Callable[[str], str]) -> Manifest:
     """The manifest with its relative paths made absolute by `join` (the caller knows the
     manifest's folder; this module does no I/O)."""
@@ -464,7 +783,7 @@ def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest")
         raw = {}
     if not isinstance(raw, dict):
         raise ManifestError(path, [f"(top level): expected a mapping, got {type(raw).__name__}"])
-    problems: list[str] = []
+    problems = literal_secrets(raw)
     resolved = resolve_vars(raw, env, [], problems)
     if problems:
         raise ManifestError(path, problems)

@@ -43,9 +43,12 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str | None
     calls: list[CallInput]
     agent: str | None = None
+    # A planner turn instead of explicit calls: what the user says to the agent.
+    message: str | None = None
 
 
-_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent"})
+MAX_MESSAGE_BYTES: Final = 64 * 1024
+_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent", "message"})
 META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance")
 _KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", *META_FIELDS})
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -73,8 +76,8 @@ def parse_request(
     if unknown:
         raise InvalidRequestError(
             "invalid_request",
-            f"unknown field(s) {', '.join(unknown)}; a request has request_id, calls and "
-            "agent",
+            f"unknown field(s) {', '.join(unknown)}; a request has request_id, agent, and "
+            "calls or message",
         )
     request_id = body.get("request_id")
     if request_id is not None:
@@ -96,6 +99,20 @@ def parse_request(
             "invalid_request",
             f"agent {agent!r} is not a valid name: use 1 to 128 characters from A-Z a-z 0-9 _ -",
         )
+    message = body.get("message")
+    if message is not None:
+        if "calls" in body:
+            raise InvalidRequestError(
+                "invalid_request", "give calls (explicit tool calls) or message (a turn the "
+                "model plans), not both")
+        if not isinstance(message, str) or not message.strip():
+            raise InvalidRequestError(
+                "invalid_request", f"message must be a non-empty string, got "
+                f"{_json_type(message)}")
+        if len(message.encode()) > MAX_MESSAGE_BYTES:
+            raise InvalidRequestError(
+                "payload_too_large", f"message is over {MAX_MESSAGE_BYTES} bytes")
+        return Request(request_id=request_id, calls=[], agent=agent, message=message)
     calls = body.get("calls")
     if not isinstance(calls, list):
         raise InvalidRequestError(

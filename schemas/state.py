@@ -29,6 +29,9 @@ from schemas.events import (
     CallSucceeded,
     ErrorInfo,
     Event,
+    ModelRequested,
+    ModelResponded,
+    ModelToolCall,
     RequestRejected,
     ResultRef,
     TurnCompleted,
@@ -106,6 +109,16 @@ class CallState(msgspec.Struct, kw_only=True, gc=False):
         )
 
 
+class ModelStep(msgspec.Struct, kw_only=True, gc=False):
+    """One model round trip of a planner turn, as `model.responded` stored it."""
+
+    iteration: int
+    text: str
+    tool_calls: list[ModelToolCall] = msgspec.field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
 class TurnState(msgspec.Struct, kw_only=True, gc=False):
     turn_id: str
     request_id: str
@@ -115,6 +128,11 @@ class TurnState(msgspec.Struct, kw_only=True, gc=False):
     requested_at: float = 0.0
     finished_at: float | None = None
     ended_seq: int | None = None  # the stream sequence of turn.completed / turn.failed
+    # A planner turn: the user's message, the model iterations asked for, and answered.
+    message: str | None = None
+    model_requested: int = 0
+    steps: list[ModelStep] = msgspec.field(default_factory=list)
+    text: str | None = None  # the answer the turn ended with
 
 
 class SessionState(msgspec.Struct, kw_only=True, gc=False):
@@ -131,7 +149,7 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 
 # Bumped whenever the shape of `SessionState` changes, so that older snapshots are
 # ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -154,6 +172,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     call_ids=list(event.call_ids),
                     agent=event.agent,
                     requested_at=event.at,
+                    message=event.message,
                 )
                 state.open_turns.append(event.turn_id)
         case CallRequested():
@@ -170,6 +189,10 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     agent=event.agent,
                     requested_at=event.at,
                 )
+                turn = state.turns.get(event.turn_id)
+                # A planner's calls join the turn as the model asks for them.
+                if turn is not None and event.call_id not in turn.call_ids:
+                    turn.call_ids.append(event.call_id)
         case CallRejected():
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
@@ -238,10 +261,23 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 if event.executor is not None:
                     call.executor = event.executor
                 call.finished_at = event.at
+        case ModelRequested():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None:
+                turn.model_requested = max(turn.model_requested, event.iteration)
+        case ModelResponded():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None and event.iteration == len(turn.steps) + 1:
+                turn.steps.append(ModelStep(
+                    iteration=event.iteration, text=event.text,
+                    tool_calls=list(event.tool_calls), input_tokens=event.input_tokens,
+                    output_tokens=event.output_tokens))
         case TurnCompleted() | TurnFailed():
             turn = state.turns.get(event.turn_id)
             if turn is not None and turn.status == "running":
                 turn.status = "completed" if isinstance(event, TurnCompleted) else "failed"
+                if isinstance(event, TurnCompleted):
+                    turn.text = event.text
                 turn.finished_at = event.at
                 turn.ended_seq = seq
                 if event.turn_id in state.open_turns:

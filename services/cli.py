@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_actor_options(p)
 
     p = sub.add_parser("actor", help="run one actor kind alone, to scale it out")
-    p.add_argument("kind", choices=["session", "approval", "executor", "mcp", "worker"],
+    p.add_argument("kind", choices=["session", "approval", "executor", "mcp", "planner", "worker"],
                    help="worker: the executors of every pool and every MCP connector, what "
                         "each worker process of `toolbus up --workers N` runs")
     # Set by `toolbus up --workers N`: this process stops when that one dies.
@@ -139,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mcp: serve only this MCP server of the manifest (repeatable)")
     _add_nats(p)
     _add_actor_options(p)
+
+    p = sub.add_parser("chat", help="talk to the agent: its answer streams, its tool calls "
+                                    "show as they happen")
+    p.add_argument("message", nargs="?", default=None,
+                   help="one turn; without it, a line per turn until end of input")
+    p.add_argument("--session", default=None, help="session id (default: a new one)")
+    p.add_argument("--agent", default=None, help="the agent whose grants apply")
+    p.add_argument("--timeout", type=_positive_float, default=300.0,
+                   help="seconds to wait for each answer (default 300)")
+    _add_nats(p)
 
     p = sub.add_parser("call", help="call one tool and print its result")
     p.add_argument("tool", help="namespace:tool, e.g. built-in:echo")
@@ -257,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from services.runtime import run_actor
                 return run_actor(url, args.kind, _actor_settings(args),
                                  parent_pid=args.parent_pid)
+            case "chat":
+                return _run(_chat(url, args))
             case "call":
                 return _run(_call(url, args))
             case "replay":
@@ -337,6 +350,82 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
                          http_port=getattr(args, "http_port", None),
                          instance=args.instance,
                          ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
+
+
+async def _chat(url: str, args: argparse.Namespace) -> int:
+    """One turn per message: the model's text as it streams, each tool call and its end
+    as it happens (on stderr), then the answer."""
+    from bus.client import ToolbusClient
+
+    session = check_session_id(args.session) if args.session else f"chat-{uuid.uuid4().hex[:12]}"
+    if args.agent is not None:
+        check_session_id(args.agent)  # the same token rule
+    bus = await connect(url, name="toolbus-chat")
+    client = ToolbusClient(bus)
+    streamed = [False]
+
+    async def on_live(msg: Any) -> None:
+        kind = msg.subject.split(".", 3)[3] if msg.subject.count(".") >= 3 else ""
+        try:
+            body = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(body, dict):
+            return
+        if kind == "model.delta" and body.get("reset"):
+            print("\n  (the model's stream broke: asking again)", file=sys.stderr, flush=True)
+        elif kind == "model.delta":
+            sys.stdout.write(str(body.get("text", "")))
+            sys.stdout.flush()
+            streamed[0] = True
+        elif kind == "call.requested" and body.get("actor") == "planner":
+            args_text = msgspec.json.encode(body.get("arguments")).decode()[:200]
+            print(f"\n  -> {body.get('tool')} {args_text}", file=sys.stderr, flush=True)
+        elif kind in ("call.succeeded", "call.failed", "call.rejected"):
+            what = "ok" if kind == "call.succeeded" else \
+                f"{kind.split('.')[1]}: {str(body.get('message', ''))[:200]}"
+            print(f"  <- {body.get('call_id')} {what}", file=sys.stderr, flush=True)
+        elif kind.startswith("approval.requested"):
+            print(f"  .. {body.get('tool')} waits for a human: toolbus approve "
+                  f"{body.get('call_id')} --session {session}", file=sys.stderr, flush=True)
+
+    code = EXIT_OK
+    try:
+        sub = await bus.nc.subscribe(f"toolbus.live.{session}.>", cb=on_live)
+        print(f"session: {session}", file=sys.stderr)
+        messages = [args.message] if args.message is not None else None
+        while True:
+            if messages is not None:
+                if not messages:
+                    break
+                text = messages.pop(0)
+            else:
+                line = await asyncio.to_thread(sys.stdin.readline)
+                if not line:
+                    break
+                text = line.strip()
+                if not text:
+                    continue
+            streamed[0] = False
+            end = await client.ask(session, text, agent=args.agent, timeout=args.timeout)
+            if isinstance(end, TurnCompleted):
+                if not streamed[0] and end.text:
+                    sys.stdout.write(end.text)
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            elif isinstance(end, TurnFailed):
+                print(f"\ntoolbus: the turn failed ({end.reason}): {end.message}",
+                      file=sys.stderr)
+                code = EXIT_CALL_FAILED
+            else:
+                print(f"toolbus: the message was refused ({end.reason}): {end.message}",
+                      file=sys.stderr)
+                code = EXIT_CALL_FAILED
+        await sub.unsubscribe()
+    finally:
+        await client.close()
+        await bus.close()
+    return code
 
 
 async def _call(url: str, args: argparse.Namespace) -> int:

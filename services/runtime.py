@@ -26,7 +26,8 @@ from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
 from schemas.errors import ConfigError, WorkerError
-from schemas.manifest import McpServerConfig, PolicyConfig
+from schemas.ids import split_tool_name
+from schemas.manifest import McpServerConfig, PolicyConfig, unknown_tool_refs
 from schemas.policy import Policy
 from services.config import ActorSettings, default_data_dir, subprocess_path, tool_secrets
 from services.process import EXIT_BUS, die_with_parent, parent_is, run
@@ -37,7 +38,7 @@ log = logging.getLogger("toolbus")
 
 _GC_GEN0 = 5_000  # allocations between young collections (CPython's default is 700)
 
-ACTOR_KINDS = ("session", "approval", "executor", "mcp")
+ACTOR_KINDS = ("session", "approval", "executor", "mcp", "planner")
 _T = TypeVar("_T")
 
 
@@ -84,8 +85,11 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
             f"unknown actor kind {unknown[0]!r}: choose from {', '.join(ACTOR_KINDS)}"
         )
     started: list[Actor] = []
+    served: dict[str, set[str]] = {}  # namespaces served whole here, for check_tool_refs
     if "executor" in kinds or "executors" in kinds:
         by_pool = collect_tools(settings)
+        if "executors" in kinds:
+            _add_served(served, [t.spec.name for tools in by_pool.values() for t in tools])
         # `toolbus actor executor` serves its own pool; `toolbus up` every pool.
         pools = ([p for p in sorted(by_pool) if by_pool[p]] if "executors" in kinds
                  else [settings.pool])
@@ -124,8 +128,18 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
                 await stop_actors(started)
                 raise
             started.append(connector)
+            _add_served(served, connector.tools)
+            for sid in connector.links:  # a server that lists no tools is served too
+                served.setdefault(sid, set())
         elif "executors" not in kinds:  # `toolbus actor mcp` with nothing to do
             raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
+    if "executors" in kinds or "mcp" in kinds:
+        try:
+            check_tool_refs(settings, served, complete="executors" in kinds
+                            and "mcp" in kinds and not settings.only)
+        except BaseException:
+            await stop_actors(started)
+            raise
     policy, max_calls = manifest_policy(settings)
     approval: ApprovalActor | None = None
     if "approval" in kinds:
@@ -136,14 +150,82 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         janitor = Janitor(bus, catalog)
         await janitor.start()
         started.append(_WithCatalog(approval, catalog, janitor))
+    model = settings.manifest.agent_config.model if settings.manifest else None
+    if "planner" in kinds and model is not None:
+        try:
+            started.append(await start_planner(bus, settings))
+        except BaseException:
+            await stop_actors(started)
+            raise
+    elif "planner" in kinds and "session" not in kinds:  # `toolbus actor planner`
+        raise ConfigError("no model for the planner: give --manifest with agent_config.model")
     if "session" in kinds:
         # With the approval actor in this process, the session actor asks it inline and
         # saves a bus hop per call; the events are the same.
         session = SessionActor(bus, max_parallel=policy.max_parallel, max_calls=max_calls,
-                               approval=approval, default_agent=policy.default_agent)
+                               approval=approval, default_agent=policy.default_agent,
+                               accept_messages=model is not None)
         await session.start()
         started.append(session)
     return started
+
+
+async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
+    """The planner of the manifest's `agent_config`, with its own view of the catalog."""
+    from actors.llm.types import ModelSettings
+    from actors.planner import Planner
+
+    assert settings.manifest is not None and settings.manifest.agent_config.model is not None
+    agent = settings.manifest.agent_config
+    m = agent.model
+    assert m is not None
+    model = ModelSettings(provider=m.provider, model=m.model, base_url=m.base_url,
+                          api_key=m.api_key, temperature=m.temperature,
+                          max_tokens=m.max_tokens, timeout_s=m.timeout_s,
+                          max_retries=m.max_retries)
+    catalog = Catalog(bus)
+    await catalog.start()
+    planner = Planner(bus, catalog, model, instructions=agent.instructions or None,
+                      max_iterations=agent.limits.max_iterations,
+                      max_tokens=agent.limits.max_tokens_per_turn,
+                      ack_wait_s=settings.ack_wait_s)
+    try:
+        await planner.start()
+    except BaseException:
+        await catalog.stop()
+        raise
+    return _PlannerWithCatalog(planner, catalog)
+
+
+class _PlannerWithCatalog:
+    def __init__(self, planner: Any, catalog: Catalog) -> None:
+        self.planner = planner
+        self.catalog = catalog
+
+    async def start(self) -> None:
+        await self.planner.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.planner.stop(grace)
+        await self.catalog.stop()
+
+
+def _add_served(served: dict[str, set[str]], names: Sequence[str]) -> None:
+    for name in names:
+        served.setdefault(split_tool_name(name)[0], set()).add(name)
+
+
+def check_tool_refs(settings: ActorSettings, served: Mapping[str, set[str]], *,
+                    complete: bool) -> None:
+    """Seed 000's boot check: every tool the agent section names (reevaluation tools,
+    policies' tools and reevaluate_after) exists, once the servers have listed theirs.
+    `ConfigError` naming the key path, the id and what the namespace has."""
+    if settings.manifest is None:
+        return
+    problems = unknown_tool_refs(settings.manifest, served, complete=complete)
+    if problems:
+        where = f"manifest {settings.manifest_path}" if settings.manifest_path else "manifest"
+        raise ConfigError(f"{where}: {'; '.join(problems)}")
 
 
 def manifest_policy(settings: ActorSettings) -> tuple[Policy, int]:
@@ -334,8 +416,8 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
         raise ConfigError(f"--workers {workers}: give 1 (everything in this process) or more")
     # The manifest was read and checked when the settings were built: a bad one has
     # already failed, before anything started.
-    kinds = ["executors", "mcp", "approval", "session"] if workers == 1 else \
-        ["approval", "session"]
+    kinds = ["executors", "mcp", "approval", "planner", "session"] if workers == 1 else \
+        ["approval", "planner", "session"]
     server: EmbeddedServer | None = None
     url = nats_url
     if not url:
@@ -397,7 +479,9 @@ def actor_lines(actors: Sequence[Actor]) -> list[str]:
     """What the executors and MCP connectors among `actors` serve, a line each."""
     lines: list[str] = []
     for a in actors:
-        if isinstance(a, Executor):
+        if isinstance(a, _PlannerWithCatalog):
+            lines.append(f"  planner: {a.planner.describe()}")
+        elif isinstance(a, Executor):
             lines.append(f"  executor {a.instance} (pool {a.pool}): "
                          f"{', '.join(sorted(a.tools))}")
         elif isinstance(a, McpConnector):

@@ -87,7 +87,7 @@ async def system(bus: Bus) -> AsyncIterator[dict[str, Any]]:
     await approval.start()
     janitor = Janitor(bus, catalog, interval_s=0.5)
     await janitor.start()
-    session = SessionActor(bus)
+    session = SessionActor(bus, accept_messages=True)  # tests/actors/test_planner.py
     await session.start()
     yield {"executor": executor, "session": session, "catalog": catalog, "approval": approval}
     await session.stop()

@@ -1,0 +1,203 @@
+"""Anthropic Messages (`POST {base}/messages`, `x-api-key`, `anthropic-version:
+2023-06-01`).
+
+Request: top-level `system`, `max_tokens` (required: 4096 unless set), `tools: [{name,
+description, input_schema}]`, `tool_choice: {type: auto | any | none}`. A turn with calls
+is echoed as `content: [thinking..., text, tool_use{id, name, input}...]`.
+Adjacency: every `tool_result` must sit in the user message right after the assistant
+message holding its `tool_use`, before any text of that message. So consecutive results
+are grouped into one user message, a result that comes after user text is moved ahead
+of it, and user text after results joins their message (the API would merge two user
+messages anyway). Thinking blocks (`thinking` with its `signature`, `redacted_thinking`)
+ride in the first call's `extra["thinking"]`: with extended thinking on, a replayed
+tool-use turn must start with them.
+Reply: `content[]` blocks, `stop_reason` (`tool_use`, `end_turn`, `max_tokens`, ...),
+`usage.{input_tokens, output_tokens}` (cache reads and writes are added to the input).
+Stream: `message_start`, `content_block_start`, `content_block_delta` (`text_delta`,
+`input_json_delta` fragments, `thinking_delta`, `signature_delta`), `content_block_stop`,
+`message_delta` (stop reason, output tokens), `message_stop`; `ping`; `error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from actors.llm.convert import Names, base_url, parse_arguments, system_text
+from actors.llm.transport import WireRequest, decode_json, stream_error
+from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
+from schemas.errors import ModelError
+from schemas.providers import export
+from schemas.tools import ToolSpec
+
+PROVIDER: Final = "anthropic"
+DEFAULT_BASE_URL: Final = "https://api.anthropic.com/v1"
+API_VERSION: Final = "2023-06-01"
+DEFAULT_MAX_TOKENS: Final = 4096
+TOOL_CHOICE: Final = {"auto": "auto", "required": "any", "none": "none"}
+FINISH: Final = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls",
+                 "max_tokens": "length", "refusal": "content_filter"}
+THINKING: Final = ("thinking", "redacted_thinking")
+
+
+def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
+          tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
+          stream: bool) -> WireRequest:
+    exported, pnames = export(tools, "anthropic")
+    names = Names(pnames)
+    body: dict[str, Any] = {"model": settings.model,
+                            "max_tokens": settings.max_tokens or DEFAULT_MAX_TOKENS,
+                            "messages": _messages(messages, names)}
+    instructions = system_text(system, messages)
+    if instructions:
+        body["system"] = instructions
+    if tools:
+        body["tools"] = exported
+        body["tool_choice"] = {"type": TOOL_CHOICE[tool_choice]}
+    if settings.temperature is not None:
+        body["temperature"] = settings.temperature
+    if response_schema is not None:
+        body["output_config"] = {"format": {"type": "json_schema", "schema": response_schema}}
+    if stream:
+        body["stream"] = True
+    headers = {"content-type": "application/json", "anthropic-version": API_VERSION,
+               **settings.extra_headers}
+    if settings.api_key:
+        headers["x-api-key"] = settings.api_key
+    url = base_url(settings.base_url, DEFAULT_BASE_URL)
+    return WireRequest(
+        provider=PROVIDER, url=f"{url}/messages", headers=headers, body=body,
+        parse=lambda data: parse(data, names),
+        stream=(lambda: MessagesStream(names)) if stream else None)
+
+
+def _messages(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def user_content() -> list[dict[str, Any]]:
+        if out and out[-1]["role"] == "user":
+            content: list[dict[str, Any]] = out[-1]["content"]
+            return content
+        fresh: list[dict[str, Any]] = []
+        out.append({"role": "user", "content": fresh})
+        return fresh
+
+    for m in messages:
+        if m.role == "system":
+            continue  # in `system`
+        if m.role == "assistant":
+            blocks: list[dict[str, Any]] = []
+            for c in m.tool_calls:
+                blocks.extend(c.extra.get("thinking") or [])
+            if m.text:
+                blocks.append({"type": "text", "text": m.text})
+            blocks += [{"type": "tool_use", "id": c.id, "name": names.out(c.name),
+                        "input": c.arguments} for c in m.tool_calls]
+            if blocks:  # the API refuses empty text blocks; an empty turn says nothing
+                out.append({"role": "assistant", "content": blocks})
+        elif m.role == "tool":
+            block: dict[str, Any] = {"type": "tool_result", "tool_use_id": m.tool_call_id,
+                                     "is_error": m.is_error}
+            if m.text:
+                block["content"] = m.text
+            content = user_content()
+            first_other = next((i for i, b in enumerate(content)
+                                if b["type"] != "tool_result"), len(content))
+            content.insert(first_other, block)
+        elif m.text:
+            user_content().append({"type": "text", "text": m.text})
+    return out
+
+
+def parse(data: Any, names: Names) -> ModelResponse:
+    if not isinstance(data, dict):
+        raise ModelError("unavailable", "the reply is not a message", provider=PROVIDER,
+                         retryable=True)
+    if data.get("type") == "error":
+        raise stream_error(PROVIDER, data.get("error"))
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    thinking: list[dict[str, Any]] = []
+    for block in data.get("content") or []:
+        kind = block.get("type")
+        if kind == "text":
+            text.append(block.get("text") or "")
+        elif kind in THINKING:
+            thinking.append(block)
+        elif kind == "tool_use":
+            arguments, extra = parse_arguments(block.get("input"))
+            if thinking:
+                extra["thinking"], thinking = thinking, []
+            calls.append(ToolCall(id=block.get("id") or "", name=names.back(block.get("name")
+                                                                             or ""),
+                                  arguments=arguments, extra=extra))
+    raw = data.get("stop_reason")
+    usage = data.get("usage") or {}
+    input_tokens = sum(usage.get(k) or 0 for k in (
+        "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"))
+    return ModelResponse(
+        text="".join(text), tool_calls=calls, finish_reason=FINISH.get(raw or "", raw or "stop"),
+        usage=Usage(input_tokens=input_tokens, output_tokens=usage.get("output_tokens") or 0),
+        model=data.get("model") or "", latency_ms=0, response_id=data.get("id"),
+        extra={"stop_reason": raw})
+
+
+class MessagesStream:
+    """Assembles the content blocks by `index`; tool input is the concatenation of its
+    `input_json_delta` fragments, parsed at `content_block_stop`."""
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+        self.ended = False
+        self.complete = False
+        self._message: dict[str, Any] = {}
+        self._blocks: dict[int, dict[str, Any]] = {}
+        self._json: dict[int, str] = {}
+        self._usage: dict[str, Any] = {}
+
+    def feed(self, event: str, data: str) -> str:
+        ev = decode_json(data, PROVIDER)
+        if not isinstance(ev, dict):
+            return ""
+        kind = ev.get("type") or event
+        index = ev.get("index", 0)
+        if kind == "message_start":
+            self._message = dict(ev.get("message") or {})
+            self._usage.update(self._message.get("usage") or {})
+        elif kind == "content_block_start":
+            self._blocks[index] = dict(ev.get("content_block") or {})
+            self._json[index] = ""
+        elif kind == "content_block_delta":
+            return self._delta(index, ev.get("delta") or {})
+        elif kind == "content_block_stop":
+            block = self._blocks.get(index, {})
+            if block.get("type") == "tool_use" and self._json.get(index):
+                block["input"] = self._json[index]
+        elif kind == "message_delta":
+            self._message.update(ev.get("delta") or {})
+            self._usage.update(ev.get("usage") or {})
+        elif kind == "message_stop":
+            self.ended = self.complete = True
+        elif kind == "error":
+            raise stream_error(PROVIDER, ev.get("error"))
+        return ""
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> str:
+        block = self._blocks.setdefault(index, {"type": "text", "text": ""})
+        kind = delta.get("type")
+        if kind == "text_delta":
+            piece = delta.get("text") or ""
+            block["text"] = (block.get("text") or "") + piece
+            return piece
+        if kind == "input_json_delta":
+            self._json[index] = self._json.get(index, "") + (delta.get("partial_json") or "")
+        elif kind == "thinking_delta":
+            block["thinking"] = (block.get("thinking") or "") + (delta.get("thinking") or "")
+        elif kind == "signature_delta":
+            block["signature"] = delta.get("signature")
+        return ""
+
+    def result(self) -> ModelResponse:
+        message = {**self._message, "usage": self._usage,
+                   "content": [self._blocks[i] for i in sorted(self._blocks)]}
+        return parse(message, self.names)

@@ -1,0 +1,221 @@
+"""Gemini `generateContent` (`POST {base}/models/{model}:generateContent`, streamed as
+`:streamGenerateContent?alt=sse`; key in `x-goog-api-key`, never in the URL).
+
+Request: `systemInstruction`, `contents[{role: user | model, parts}]`, `tools:
+[{functionDeclarations}]` (the OpenAPI subset schemas/providers.py converts to),
+`toolConfig.functionCallingConfig.mode` (AUTO, ANY, NONE), `generationConfig`.
+Quirks:
+- Function call ids: Gemini 3 gives `functionCall.id`, older models none. A call without
+  one gets a deterministic id (same reply, same id), and the id is echoed both in the
+  `functionCall` and in its `functionResponse`.
+- Thought signatures: a `functionCall` part may carry `thoughtSignature`; it is kept in
+  `ToolCall.extra` and echoed verbatim in that part. Gemini 3 refuses a replayed turn
+  whose first call has none (e.g. history from another model), so that one gets the
+  documented placeholder `skip_thought_signature_validator`.
+- Results: a `role: user` content whose parts are all the `functionResponse{name, id,
+  response: {output | error}}` of one turn's calls, in one content (Gemini pairs them by
+  count); user text after them goes in a content of its own, since Gemini takes a
+  content mixing the two for the model's.
+- `finishReason` is `STOP` even when calls are present. Thought-summary parts
+  (`thought: true`) are not answer text.
+Reply: `candidates[0].content.parts`, `usageMetadata.{promptTokenCount,
+candidatesTokenCount, thoughtsTokenCount}`, `responseId`, `modelVersion`. The stream is a
+sequence of such responses, each with the new parts; it has no end marker, so it is
+whole once a candidate has a `finishReason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from actors.llm.convert import (
+    Names,
+    base_url,
+    call_names,
+    parse_arguments,
+    result_value,
+    stable_id,
+    system_text,
+)
+from actors.llm.transport import WireRequest, decode_json, stream_error
+from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
+from schemas.errors import ModelError
+from schemas.providers import export
+from schemas.tools import ToolSpec
+
+PROVIDER: Final = "gemini"
+DEFAULT_BASE_URL: Final = "https://generativelanguage.googleapis.com/v1beta"
+SKIP_SIGNATURE: Final = "skip_thought_signature_validator"
+MODE: Final = {"auto": "AUTO", "required": "ANY", "none": "NONE"}
+FILTERED: Final = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT",
+                             "SPII", "IMAGE_SAFETY"})
+
+
+def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
+          tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
+          stream: bool) -> WireRequest:
+    exported, pnames = export(tools, "gemini")
+    names = Names(pnames)
+    body: dict[str, Any] = {"contents": _contents(messages, names)}
+    instructions = system_text(system, messages)
+    if instructions:
+        body["systemInstruction"] = {"parts": [{"text": instructions}]}
+    if tools:
+        body["tools"] = exported
+        body["toolConfig"] = {"functionCallingConfig": {"mode": MODE[tool_choice]}}
+    config: dict[str, Any] = {}
+    if settings.temperature is not None:
+        config["temperature"] = settings.temperature
+    if settings.max_tokens is not None:
+        config["maxOutputTokens"] = settings.max_tokens
+    if response_schema is not None:
+        config["responseMimeType"] = "application/json"
+        config["responseJsonSchema"] = response_schema
+    if config:
+        body["generationConfig"] = config
+    headers = {"content-type": "application/json", **settings.extra_headers}
+    if settings.api_key:
+        headers["x-goog-api-key"] = settings.api_key
+    model = settings.model.removeprefix("models/")
+    url = base_url(settings.base_url, DEFAULT_BASE_URL)
+    method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+    return WireRequest(
+        provider=PROVIDER, url=f"{url}/models/{model}:{method}", headers=headers, body=body,
+        parse=lambda data: parse(data, names),
+        stream=(lambda: GenerateStream(names)) if stream else None)
+
+
+def _contents(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
+    by_id = call_names(messages)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "system":
+            continue  # in `systemInstruction`
+        if m.role == "assistant":
+            parts: list[dict[str, Any]] = [{"text": m.text}] if m.text else []
+            for i, c in enumerate(m.tool_calls):
+                part: dict[str, Any] = {"functionCall": {
+                    "name": names.out(c.name), "args": c.arguments, "id": c.id}}
+                signature = c.extra.get("thoughtSignature")
+                if signature or i == 0:
+                    part["thoughtSignature"] = signature or SKIP_SIGNATURE
+                parts.append(part)
+            if parts:
+                out.append({"role": "model", "parts": parts})
+        elif m.role == "tool":
+            value = result_value(m.text)
+            part = {"functionResponse": {
+                "name": names.out(m.name or by_id.get(m.tool_call_id or "", "")),
+                "id": m.tool_call_id,
+                "response": {"error": value} if m.is_error else {"output": value}}}
+            last = out[-1] if out else None
+            if last and last["role"] == "user" and all(
+                    "functionResponse" in p for p in last["parts"]):
+                last["parts"].append(part)
+            else:
+                out.append({"role": "user", "parts": [part]})
+        elif m.text:
+            out.append({"role": "user", "parts": [{"text": m.text}]})
+    return out
+
+
+def _finish(raw: str | None, has_calls: bool) -> str:
+    if raw in (None, "STOP", "FINISH_REASON_UNSPECIFIED"):
+        return "tool_calls" if has_calls else "stop"
+    if raw == "MAX_TOKENS":
+        return "length"
+    if raw in FILTERED:
+        return "content_filter"
+    return raw.lower()
+
+
+def _calls(parts: list[dict[str, Any]], names: Names, response_id: str | None,
+           ) -> list[ToolCall]:
+    calls: list[ToolCall] = []
+    for part in parts:
+        function = part.get("functionCall")
+        if not function:
+            continue
+        pname = function.get("name") or ""
+        arguments, extra = parse_arguments(function.get("args"))
+        if part.get("thoughtSignature"):
+            extra["thoughtSignature"] = part["thoughtSignature"]
+        call_id = function.get("id") or stable_id("call", response_id, len(calls), pname,
+                                                  arguments)
+        calls.append(ToolCall(id=call_id, name=names.back(pname), arguments=arguments,
+                              extra=extra))
+    return calls
+
+
+def _reply(parts: list[dict[str, Any]], raw_finish: str | None, data: dict[str, Any],
+           names: Names) -> ModelResponse:
+    response_id = data.get("responseId")
+    calls = _calls(parts, names, response_id)
+    text = "".join(p.get("text") or "" for p in parts if not p.get("thought"))
+    usage = data.get("usageMetadata") or {}
+    extra: dict[str, Any] = {"stop_reason": raw_finish}
+    block = (data.get("promptFeedback") or {}).get("blockReason")
+    if block:
+        extra["block_reason"] = block
+    return ModelResponse(
+        text=text, tool_calls=calls,
+        finish_reason="content_filter" if block else _finish(raw_finish, bool(calls)),
+        usage=Usage(input_tokens=usage.get("promptTokenCount") or 0,
+                    output_tokens=(usage.get("candidatesTokenCount") or 0)
+                    + (usage.get("thoughtsTokenCount") or 0)),
+        model=data.get("modelVersion") or "", latency_ms=0, response_id=response_id,
+        extra=extra)
+
+
+def parse(data: Any, names: Names) -> ModelResponse:
+    if isinstance(data, list) and data:
+        data = data[0]
+    if not isinstance(data, dict):
+        raise ModelError("unavailable", "the reply is not a response", provider=PROVIDER,
+                         retryable=True)
+    if data.get("error"):
+        raise stream_error(PROVIDER, data["error"])
+    candidates = data.get("candidates") or [{}]
+    candidate = candidates[0]
+    parts = (candidate.get("content") or {}).get("parts") or []
+    return _reply(parts, candidate.get("finishReason"), data, names)
+
+
+class GenerateStream:
+    """Accumulates the parts of every chunk; text parts are the deltas."""
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+        self.ended = False  # no end marker: read to the end of the stream
+        self.complete = False
+        self._parts: list[dict[str, Any]] = []
+        self._finish: str | None = None
+        self._last: dict[str, Any] = {}
+
+    def feed(self, event: str, data: str) -> str:
+        chunk = decode_json(data, PROVIDER)
+        if isinstance(chunk, list) and chunk:
+            chunk = chunk[0]
+        if not isinstance(chunk, dict):
+            return ""
+        if chunk.get("error"):
+            raise stream_error(PROVIDER, chunk["error"])
+        self._last = {**self._last, **chunk}
+        if chunk.get("promptFeedback", {}).get("blockReason"):
+            self.complete = True
+        piece = ""
+        for candidate in chunk.get("candidates") or []:
+            if candidate.get("index", 0) != 0:
+                continue
+            for part in (candidate.get("content") or {}).get("parts") or []:
+                self._parts.append(part)
+                if part.get("text") and not part.get("thought"):
+                    piece += part["text"]
+            if candidate.get("finishReason"):
+                self._finish = candidate["finishReason"]
+                self.complete = True
+        return piece
+
+    def result(self) -> ModelResponse:
+        return _reply(self._parts, self._finish, self._last, self.names)

@@ -1,0 +1,188 @@
+"""OpenAI Chat Completions (`POST {base}/chat/completions`), and every server that speaks
+it (llama.cpp, vLLM, Ollama, ...) through `base_url`.
+
+Request: `messages` (system first), `tools: [{type: "function", function: {name,
+description, parameters, strict?}}]`, `tool_choice`. An assistant turn with calls is echoed
+with `tool_calls[{id, type: "function", function: {name, arguments: "<JSON string>"}}]`,
+then one `{role: "tool", tool_call_id, content}` per result.
+Reply: `choices[0].message.{content, tool_calls}`, `finish_reason`, `usage.{prompt_tokens,
+completion_tokens}`. Stream: `chat.completion.chunk`s whose `delta.tool_calls[]` carry an
+`index`, the id and name once, and the arguments in fragments; a last chunk with `usage`
+(asked for by `stream_options.include_usage`), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from actors.llm.convert import (
+    Names,
+    arguments_json,
+    base_url,
+    parse_arguments,
+    stable_id,
+    strict_compatible,
+)
+from actors.llm.transport import WireRequest, decode_json, stream_error
+from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
+from schemas.errors import ModelError
+from schemas.providers import export
+from schemas.tools import ToolSpec
+
+PROVIDER: Final = "openai"
+DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
+FINISH: Final = {"stop": "stop", "tool_calls": "tool_calls", "function_call": "tool_calls",
+                 "length": "length", "content_filter": "content_filter"}
+
+
+def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
+          tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
+          stream: bool) -> WireRequest:
+    exported, pnames = export(tools, "openai")
+    names = Names(pnames)
+    url = base_url(settings.base_url, DEFAULT_BASE_URL)
+    body: dict[str, Any] = {"model": settings.model,
+                            "messages": _messages(system, messages, names)}
+    if tools:
+        for tool in exported:
+            if strict_compatible(tool["function"]["parameters"]):
+                tool["function"]["strict"] = True
+        body["tools"] = exported
+        body["tool_choice"] = tool_choice
+    if settings.temperature is not None:
+        body["temperature"] = settings.temperature
+    if settings.max_tokens is not None:
+        # OpenAI's reasoning models refuse `max_tokens`; compatible servers may not know
+        # its successor.
+        key = "max_completion_tokens" if url == DEFAULT_BASE_URL else "max_tokens"
+        body[key] = settings.max_tokens
+    if response_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "response", "schema": response_schema,
+            "strict": strict_compatible(response_schema)}}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    headers = {"content-type": "application/json", **settings.extra_headers}
+    if settings.api_key:
+        headers["authorization"] = f"Bearer {settings.api_key}"
+    return WireRequest(
+        provider=PROVIDER, url=f"{url}/chat/completions", headers=headers, body=body,
+        parse=lambda data: parse(data, names),
+        stream=(lambda: ChatStream(names)) if stream else None)
+
+
+def _messages(system: str | None, messages: Sequence[Message], names: Names,
+              ) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": system})
+    for m in messages:
+        if m.role == "tool":
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.text})
+        elif m.role == "assistant" and m.tool_calls:
+            turn: dict[str, Any] = {"role": "assistant"}
+            if m.text:  # optional with calls; some servers refuse an explicit null
+                turn["content"] = m.text
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": names.out(c.name), "arguments": arguments_json(c)}}
+                for c in m.tool_calls]
+            out.append(turn)
+        else:
+            out.append({"role": m.role, "content": m.text})
+    return out
+
+
+def _call(raw_id: Any, pname: str, raw_args: Any, names: Names, position: int,
+          response_id: str | None) -> ToolCall:
+    arguments, extra = parse_arguments(raw_args)
+    # Some compatible servers send calls without an id; every result must name one.
+    call_id = raw_id or stable_id("call", response_id, position, pname, raw_args)
+    return ToolCall(id=call_id, name=names.back(pname), arguments=arguments, extra=extra)
+
+
+def _reply(text: str, calls: list[ToolCall], raw_finish: str | None, usage: dict[str, Any],
+           model: str, response_id: str | None, extra: dict[str, Any]) -> ModelResponse:
+    finish = FINISH.get(raw_finish or "", raw_finish or "stop")
+    if calls and finish == "stop":
+        finish = "tool_calls"  # some compatible servers say "stop" with calls
+    return ModelResponse(
+        text=text, tool_calls=calls, finish_reason=finish,
+        usage=Usage(input_tokens=usage.get("prompt_tokens") or 0,
+                    output_tokens=usage.get("completion_tokens") or 0),
+        model=model, latency_ms=0, response_id=response_id,
+        extra={"stop_reason": raw_finish, **extra})
+
+
+def parse(data: Any, names: Names) -> ModelResponse:
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not choices:
+        raise ModelError("unavailable", "the reply has no choices", provider=PROVIDER,
+                         retryable=True)
+    choice = choices[0]
+    message = choice.get("message") or {}
+    response_id = data.get("id")
+    calls = [_call(tc.get("id"), (tc.get("function") or {}).get("name", ""),
+                   (tc.get("function") or {}).get("arguments"), names, i, response_id)
+             for i, tc in enumerate(message.get("tool_calls") or [])]
+    extra = {"refusal": message["refusal"]} if message.get("refusal") else {}
+    return _reply(message.get("content") or "", calls, choice.get("finish_reason"),
+                  data.get("usage") or {}, data.get("model") or "", response_id, extra)
+
+
+class ChatStream:
+    """Assembles `chat.completion.chunk`s; calls are keyed by their `index`."""
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+        self.ended = False
+        self.complete = False
+        self._text: list[str] = []
+        self._calls: dict[int, dict[str, str]] = {}
+        self._finish: str | None = None
+        self._usage: dict[str, Any] = {}
+        self._model = ""
+        self._id: str | None = None
+
+    def feed(self, event: str, data: str) -> str:
+        if data.strip() == "[DONE]":
+            self.ended = self.complete = True
+            return ""
+        chunk = decode_json(data, PROVIDER)
+        if not isinstance(chunk, dict):
+            return ""
+        if chunk.get("error"):
+            raise stream_error(PROVIDER, chunk["error"])
+        self._id = self._id or chunk.get("id")
+        self._model = self._model or chunk.get("model") or ""
+        self._usage = chunk.get("usage") or self._usage
+        piece = ""
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            piece += delta.get("content") or ""
+            for position, fragment in enumerate(delta.get("tool_calls") or []):
+                slot = self._calls.setdefault(fragment.get("index", position),
+                                              {"id": "", "name": "", "arguments": ""})
+                slot["id"] = fragment.get("id") or slot["id"]
+                function = fragment.get("function") or {}
+                name = function.get("name") or ""
+                # The name comes whole once; a server that repeats it must not double it.
+                if name and name != slot["name"]:
+                    slot["name"] += name
+                slot["arguments"] += function.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+                self.complete = True
+        if piece:
+            self._text.append(piece)
+        return piece
+
+    def result(self) -> ModelResponse:
+        calls = [_call(slot["id"], slot["name"], slot["arguments"], self.names, i, self._id)
+                 for i, (_, slot) in enumerate(sorted(self._calls.items()))]
+        return _reply("".join(self._text), calls, self._finish, self._usage, self._model,
+                      self._id, {})

@@ -1,0 +1,196 @@
+"""OpenAI Responses (`POST {base}/responses`), stateless: the whole conversation is sent
+each time (no `previous_response_id`), so a replay of the log rebuilds the same request.
+
+Request: `instructions` (the system text), `input` items, flat `tools: [{type:
+"function", name, description, parameters, strict}]` (`strict` is sent either way: this
+API defaults it to true, which refuses any schema with optional properties). A turn with
+calls is echoed as its reasoning items (if any), its text, then its `function_call` items
+`{type, id, call_id, name, arguments}`; each result is `{type: "function_call_output",
+call_id, output}`. Calls are keyed on `call_id`; the item `id` (`fc_...`) and the reasoning
+items before the call ride in `ToolCall.extra`, because reasoning models refuse a
+`function_call` replayed without them.
+Reply: `output[]` items (`message` with `output_text` parts, `function_call`,
+`reasoning`), `status` (no finish reason: a reply without calls is final), `usage.
+{input_tokens, output_tokens}`. Stream: `response.output_item.added`,
+`response.output_text.delta`, `response.function_call_arguments.delta`,
+`response.output_item.done`, then `response.completed` (or `.incomplete`, `.failed`,
+`error`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from actors.llm.convert import (
+    Names,
+    arguments_json,
+    base_url,
+    parse_arguments,
+    strict_compatible,
+    system_text,
+)
+from actors.llm.openai_chat import DEFAULT_BASE_URL
+from actors.llm.transport import WireRequest, decode_json, stream_error
+from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
+from schemas.errors import ModelError
+from schemas.providers import export
+from schemas.tools import ToolSpec
+
+PROVIDER: Final = "openai-responses"
+INCOMPLETE: Final = {"max_output_tokens": "length", "content_filter": "content_filter"}
+REASONING_KEYS: Final = ("type", "id", "summary", "content", "encrypted_content")
+
+
+def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
+          tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
+          stream: bool) -> WireRequest:
+    exported, pnames = export(tools, "openai")
+    names = Names(pnames)
+    body: dict[str, Any] = {"model": settings.model, "input": _input(messages, names)}
+    instructions = system_text(system, messages)
+    if instructions:
+        body["instructions"] = instructions
+    if tools:
+        body["tools"] = [{"type": "function", **t["function"],
+                          "strict": strict_compatible(t["function"]["parameters"])}
+                         for t in exported]
+        body["tool_choice"] = tool_choice
+    if settings.temperature is not None:
+        body["temperature"] = settings.temperature
+    if settings.max_tokens is not None:
+        body["max_output_tokens"] = settings.max_tokens
+    if response_schema is not None:
+        body["text"] = {"format": {"type": "json_schema", "name": "response",
+                                   "schema": response_schema,
+                                   "strict": strict_compatible(response_schema)}}
+    if stream:
+        body["stream"] = True
+    headers = {"content-type": "application/json", **settings.extra_headers}
+    if settings.api_key:
+        headers["authorization"] = f"Bearer {settings.api_key}"
+    url = base_url(settings.base_url, DEFAULT_BASE_URL)
+    return WireRequest(
+        provider=PROVIDER, url=f"{url}/responses", headers=headers, body=body,
+        parse=lambda data: parse(data, names),
+        stream=(lambda: ResponsesStream(names)) if stream else None)
+
+
+def _input(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "system":
+            continue  # in `instructions`
+        if m.role == "tool":
+            items.append({"type": "function_call_output", "call_id": m.tool_call_id,
+                          "output": m.text})
+            continue
+        if m.role == "user" or not m.tool_calls:
+            items.append({"role": m.role, "content": m.text})
+            continue
+        calls: list[dict[str, Any]] = []
+        for c in m.tool_calls:
+            calls.extend(c.extra.get("reasoning") or [])
+            item = {"type": "function_call", "call_id": c.id, "name": names.out(c.name),
+                    "arguments": arguments_json(c)}
+            if c.extra.get("id"):
+                item["id"] = c.extra["id"]
+            calls.append(item)
+        if m.text:
+            # The text goes before the calls, after the reasoning that led to the first one.
+            first = next(i for i, it in enumerate(calls)
+                         if it.get("type") == "function_call")
+            calls.insert(first, {"role": "assistant", "content": m.text})
+        items.extend(calls)
+    return items
+
+
+def parse(data: Any, names: Names) -> ModelResponse:
+    if not isinstance(data, dict):
+        raise ModelError("unavailable", "the reply is not a response object",
+                         provider=PROVIDER, retryable=True)
+    if data.get("status") == "failed" or data.get("error"):
+        raise stream_error(PROVIDER, data.get("error") or {"message": "the response failed"})
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    reasoning: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+    for item in data.get("output") or []:
+        kind = item.get("type")
+        if kind == "message":
+            for part in item.get("content") or []:
+                if part.get("type") == "output_text":
+                    text.append(part.get("text") or "")
+                elif part.get("type") == "refusal":
+                    extra["refusal"] = part.get("refusal")
+        elif kind == "reasoning":
+            reasoning.append({k: item[k] for k in REASONING_KEYS if k in item})
+        elif kind == "function_call":
+            arguments, call_extra = parse_arguments(item.get("arguments"))
+            if item.get("id"):
+                call_extra["id"] = item["id"]
+            if reasoning:
+                call_extra["reasoning"], reasoning = reasoning, []
+            calls.append(ToolCall(id=item.get("call_id") or item.get("id") or "",
+                                  name=names.back(item.get("name") or ""),
+                                  arguments=arguments, extra=call_extra))
+    status = data.get("status") or "completed"
+    if status == "incomplete":
+        reason = (data.get("incomplete_details") or {}).get("reason") or "incomplete"
+        finish = INCOMPLETE.get(reason, reason)
+    else:
+        finish = "tool_calls" if calls else "stop"
+    usage = data.get("usage") or {}
+    return ModelResponse(
+        text="".join(text), tool_calls=calls, finish_reason=finish,
+        usage=Usage(input_tokens=usage.get("input_tokens") or 0,
+                    output_tokens=usage.get("output_tokens") or 0),
+        model=data.get("model") or "", latency_ms=0, response_id=data.get("id"),
+        extra={"stop_reason": status, **extra})
+
+
+class ResponsesStream:
+    """Assembles the typed events; the output items are keyed by `output_index`, and the
+    final `response` object, when it lists them, is the authority."""
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+        self.ended = False
+        self.complete = False
+        self._items: dict[int, dict[str, Any]] = {}
+        self._final: dict[str, Any] = {}
+
+    def feed(self, event: str, data: str) -> str:
+        ev = decode_json(data, PROVIDER)
+        if not isinstance(ev, dict):
+            return ""
+        kind = ev.get("type") or event
+        index = ev.get("output_index", 0)
+        if kind == "response.output_text.delta":
+            delta = ev.get("delta") or ""
+            return delta if isinstance(delta, str) else ""
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            self._items[index] = dict(ev.get("item") or {})
+        elif kind == "response.function_call_arguments.delta":
+            item = self._items.setdefault(index, {"type": "function_call", "arguments": ""})
+            item["arguments"] = (item.get("arguments") or "") + (ev.get("delta") or "")
+        elif kind == "response.output_text.done":
+            # Kept for servers that never send `output_item.done` for the message.
+            item = self._items.setdefault(index, {"type": "message", "content": []})
+            if not item.get("content"):
+                item["content"] = [{"type": "output_text", "text": ev.get("text") or ""}]
+        elif kind in ("response.completed", "response.incomplete"):
+            self._final = dict(ev.get("response") or {})
+            self.ended = self.complete = True
+        elif kind == "response.failed":
+            response = ev.get("response") or {}
+            raise stream_error(PROVIDER, response.get("error") or {"message": "failed"})
+        elif kind == "error":
+            raise stream_error(PROVIDER, {"code": ev.get("code"), "message": ev.get("message")})
+        return ""
+
+    def result(self) -> ModelResponse:
+        response = dict(self._final)
+        if not response.get("output"):
+            response["output"] = [self._items[i] for i in sorted(self._items)]
+        return parse(response, self.names)

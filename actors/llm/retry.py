@@ -1,0 +1,169 @@
+"""When a failed model call is tried again, and how long to wait.
+
+Retried: connection errors and timeouts, 408, 409, 429 and 5xx, as the OpenAI and
+Anthropic SDKs and Temporal's model activity do; an `x-should-retry` header overrides
+that either way. The wait is the server's (`retry-after-ms`, then `retry-after` in seconds
+or as an HTTP date), else exponential backoff with jitter. Bounded twice: at most
+`max_retries` more attempts, and no attempt starts after `budget_s` from the first (a
+`retry-after` longer than what is left ends the call at once instead of sleeping).
+
+Not retried here: 400/401/403 and other 4xx (the same request fails the same way), and a
+stream that broke after text was delivered (`partial_stream`): its deltas are already out,
+so only the caller can decide to make the whole call again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from schemas.errors import ModelError
+
+log = logging.getLogger("toolbus.llm")
+
+T = TypeVar("T")
+
+RETRY_STATUSES: Final = frozenset({408, 409, 429})
+MESSAGE_LIMIT: Final = 500  # characters of a provider's error message kept
+
+
+class Backoff(msgspec.Struct, frozen=True, kw_only=True):
+    """Exponential backoff with jitter: `first_s * 2**(n-1)`, capped at `max_s`, then
+    scaled by a random factor in [0.5, 1] so that clients that failed together spread."""
+
+    first_s: float = 0.5
+    max_s: float = 8.0
+
+    def delay(self, retry: int) -> float:
+        base: float = min(self.max_s, self.first_s * 2.0 ** (retry - 1))
+        return base * (0.5 + random.random() / 2)
+
+
+DEFAULT_BACKOFF: Final = Backoff()
+
+
+def classify(status: int, headers: Mapping[str, str]) -> tuple[str, bool]:
+    """(kind, retryable) of an HTTP error status."""
+    if status in (401, 403):
+        kind, retryable = "auth", False
+    elif status == 429:
+        kind, retryable = "rate_limited", True
+    elif status in RETRY_STATUSES or status >= 500:
+        kind, retryable = "unavailable", True
+    else:
+        kind, retryable = "bad_request", False
+    should = headers.get("x-should-retry", "").strip().lower()
+    if should in ("true", "false"):
+        retryable = should == "true"
+    return kind, retryable
+
+
+def retry_after(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
+    """The server's wait hint in seconds, or None."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+
+
+# Shapes of API keys that providers echo, whole or masked, in their error messages.
+_KEYLIKE: Final = re.compile(
+    r"sk-[A-Za-z0-9_\-*.]{6,}"  # OpenAI, Anthropic (sk-ant-...), and compatible servers
+    r"|AIza[0-9A-Za-z_\-]{10,}"  # Google
+    r"|\S*\*{4,}\S*"  # a masked key: "sk-proj-****...abcd"
+)
+
+
+def redact(text: str, key: str | None) -> str:
+    """`text` without the key, nor anything shaped like one."""
+    if key:
+        text = text.replace(key, "[redacted]")
+    return _KEYLIKE.sub("[redacted]", text)
+
+
+def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def provider_message(body: bytes) -> str:
+    """The error message of an error body, in any of the four APIs' shapes:
+    `{"error": {"message", "type"}}` (OpenAI, Anthropic), `{"error": {"message",
+    "status"}}` (Gemini, sometimes wrapped in a list), or plain text."""
+    try:
+        data: Any = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body.decode(errors="replace").strip() or "(empty body)"
+    if isinstance(data, list) and data:
+        data = data[0]
+    if not isinstance(data, dict):
+        return str(data)
+    error = data.get("error", data)
+    if isinstance(error, str):
+        return error
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("detail") or ""
+        label = error.get("type") or error.get("status") or error.get("code")
+        if message and label and str(label) not in str(message):
+            return f"{message} ({label})"
+        if message:
+            return str(message)
+    return msgspec.json.encode(data).decode()
+
+
+def http_error(provider: str, status: int, headers: Mapping[str, str], body: bytes,
+               key: str | None) -> ModelError:
+    kind, retryable = classify(status, headers)
+    return ModelError(kind, clip(redact(provider_message(body), key)), provider=provider,
+                      status=status, retryable=retryable, retry_after_s=retry_after(headers))
+
+
+async def with_retries(attempt: Callable[[], Awaitable[T]], *, max_retries: int,
+                       budget_s: float, backoff: Backoff = DEFAULT_BACKOFF,
+                       ) -> tuple[T, int]:
+    """Run `attempt` until it succeeds or a failure is final; (result, attempts made).
+    The last failure is raised as is, told with the number of attempts."""
+    start = time.monotonic()
+    made = 0
+    while True:
+        made += 1
+        try:
+            return await attempt(), made
+        except ModelError as err:
+            if not err.retryable or err.partial or made > max_retries:
+                raise err.after(made) from err.__cause__
+            wait = err.retry_after_s if err.retry_after_s is not None else backoff.delay(made)
+            left = budget_s - (time.monotonic() - start)
+            if wait > left:
+                raise err.after(made, f"the next attempt would start after the retry "
+                                      f"budget of {budget_s:g} s (wait {wait:.3g} s)",
+                                ) from err.__cause__
+            log.warning("%s: model call failed (%s, status %s: %s); attempt %d of %d in "
+                        "%.2f s", err.provider, err.kind, err.status, err.message, made + 1,
+                        max_retries + 1, wait)
+            await asyncio.sleep(wait)

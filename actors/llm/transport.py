@@ -1,0 +1,168 @@
+"""One attempt of a model call over httpx: POST the body, map an error status, then read
+either one JSON body or a stream of server-sent events (httpx-sse), handing each text
+delta to `on_delta` as it arrives.
+
+Failure mapping (every one a `ModelError`, see retry.py for which are retried): an error
+status by its code; a connection error, a timeout or a body that is not JSON as
+`unavailable`; a stream that ends before its last event, or an error event inside it, as
+what it says, except that once a delta has been delivered any of these is
+`partial_stream` (retryable, but never retried here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import httpx
+import msgspec
+from httpx_sse import EventSource, SSEError
+
+from actors.llm.retry import clip, http_error, redact
+from actors.llm.types import ModelResponse
+from schemas.errors import ModelError
+
+ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving up on it
+
+OnDelta = Callable[[str], Awaitable[None]]
+
+
+class StreamDecoder(Protocol):
+    """Assembles one API's event stream into a reply. `feed` returns the text delta the
+    event carries ("" if none) and raises `ModelError` for an error event; `ended` is set by
+    the API's last event (read no further); `complete` once the reply is whole."""
+
+    ended: bool
+    complete: bool
+
+    def feed(self, event: str, data: str) -> str: ...
+
+    def result(self) -> ModelResponse: ...
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """What one API module built: where to POST what, and how to read the answer."""
+
+    provider: str
+    url: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    parse: Callable[[Any], ModelResponse]
+    stream: Callable[[], StreamDecoder] | None = None
+
+
+def decode_json(data: bytes | str, provider: str) -> Any:
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ModelError("unavailable", f"the reply is not JSON ({exc})", provider=provider,
+                         retryable=True) from exc
+
+
+async def _read_clipped(response: httpx.Response) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= ERROR_BODY_LIMIT:
+            break
+    return b"".join(chunks)[:ERROR_BODY_LIMIT]
+
+
+async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
+               timeout_s: float, on_delta: OnDelta | None) -> ModelResponse:
+    """One attempt; the reply with `latency_ms` set."""
+    start = time.monotonic()
+    delivered = False
+    headers = dict(req.headers)
+    if req.stream is not None:
+        headers["accept"] = "text/event-stream"
+        headers["cache-control"] = "no-store"
+    try:
+        async with client.stream("POST", req.url, content=msgspec.json.encode(req.body),
+                                 headers=headers, timeout=httpx.Timeout(timeout_s)) as response:
+            if not 200 <= response.status_code < 300:
+                body = await _read_clipped(response)
+                raise http_error(req.provider, response.status_code, response.headers, body,
+                                 key)
+            if req.stream is None:
+                data = decode_json(await response.aread(), req.provider)
+                with _shape(req.provider):
+                    reply = req.parse(data)
+            else:
+                decoder = req.stream()
+                async with contextlib.aclosing(EventSource(response).aiter_sse()) as events:
+                    async for sse in events:
+                        with _shape(req.provider):
+                            delta = decoder.feed(sse.event, sse.data)
+                        if delta and on_delta is not None:
+                            delivered = True
+                            await on_delta(delta)
+                        if decoder.ended:
+                            break
+                if not decoder.complete:
+                    raise ModelError("unavailable", "the stream ended before its last event",
+                                     provider=req.provider, retryable=True)
+                with _shape(req.provider):
+                    reply = decoder.result()
+    except ModelError as err:
+        if delivered:
+            raise _partial(err.provider, redact(err.message, key), err.status) from err
+        if key and key in err.message:  # an error event quoting the key
+            raise ModelError(err.kind, redact(err.message, key), provider=err.provider,
+                             status=err.status, retryable=err.retryable,
+                             retry_after_s=err.retry_after_s) from err.__cause__
+        raise
+    except SSEError as exc:
+        raise ModelError("bad_request", f"expected an event stream: {clip(str(exc))}",
+                         provider=req.provider) from exc
+    except httpx.TransportError as exc:  # connect, read, write, pool, timeouts, protocol
+        what = clip(redact(f"{type(exc).__name__}: {exc}".rstrip(": "), key))
+        if delivered:
+            raise _partial(req.provider, what, None) from exc
+        raise ModelError("unavailable", what, provider=req.provider, retryable=True) from exc
+    latency_ms = int((time.monotonic() - start) * 1000)
+    return msgspec.structs.replace(reply, latency_ms=latency_ms)
+
+
+@contextlib.contextmanager
+def _shape(provider: str) -> Iterator[None]:
+    """A reply that is JSON but not in the API's shape (a field of the wrong type) is the
+    provider's fault, like a garbled body: `unavailable`, worth another attempt."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise ModelError("unavailable", f"the reply does not have the API's shape "
+                         f"({type(exc).__name__}: {clip(str(exc), 200)})", provider=provider,
+                         retryable=True) from exc
+
+
+def stream_error(provider: str, error: Any) -> ModelError:
+    """An error event inside a stream (`{"type", "code", "message"}` in any of the APIs'
+    spellings). A request the provider had accepted failed on its side, so unless it says
+    otherwise (invalid request, auth) it is worth another attempt."""
+    if not isinstance(error, dict):
+        error = {"message": str(error)}
+    label = " ".join(str(error.get(k) or "") for k in ("type", "code", "status")).lower()
+    message = str(error.get("message") or label.strip() or "error event")
+    if any(w in label for w in ("auth", "permission")):
+        kind, retryable = "auth", False
+    elif "invalid" in label:
+        kind, retryable = "bad_request", False
+    elif "rate" in label or "quota" in label or "exhausted" in label:
+        kind, retryable = "rate_limited", True
+    else:
+        kind, retryable = "unavailable", True
+    if label.strip() and label.split()[0] not in message.lower():
+        message = f"{message} ({label.split()[0]})"
+    return ModelError(kind, clip(redact(message, None)), provider=provider, retryable=retryable)
+
+
+def _partial(provider: str, message: str, status: int | None) -> ModelError:
+    return ModelError("partial_stream", f"the stream broke after text was delivered "
+                      f"({message})", provider=provider, status=status, retryable=True)

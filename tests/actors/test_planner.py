@@ -1,0 +1,405 @@
+"""The planner against a real local HTTP server speaking the OpenAI Chat Completions API
+with scripted replies: the model's calls go through the same path as explicit ones, each
+round trip is a stored pair of events, and replay calls no model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from actors.llm.types import ModelSettings
+from actors.planner import Planner
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from bus.eventlog import EventLog
+from schemas.events import ModelRequested, ModelResponded, TurnCompleted, TurnFailed
+from tests.conftest import REPO, EventWatch, Proc
+
+
+class ScriptedChat:
+    """`/v1/chat/completions` answering from a script, recording what it received."""
+
+    def __init__(self) -> None:
+        # (status, body) or (status, body, seconds to wait before answering)
+        self.script: list[tuple[Any, ...]] = []
+        self.received: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.port = 0
+        self.asked = asyncio.Event()  # set at the first request
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def _complete(self, request: Request) -> Response:
+        self.received.append(json.loads(await request.body()))
+        self.asked.set()
+        self.headers.append(dict(request.headers))
+        if not self.script:
+            return JSONResponse({"error": {"message": "script exhausted"}}, status_code=500)
+        status, body, *delay = self.script.pop(0)
+        if delay:
+            await asyncio.sleep(delay[0])
+        if status == 200 and self.received[-1].get("stream"):
+            return Response(_as_stream(body), media_type="text/event-stream")
+        return JSONResponse(body, status_code=status)
+
+    async def start(self) -> ScriptedChat:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        app = Starlette(routes=[Route("/v1/chat/completions", self._complete,
+                                      methods=["POST"])])
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                     lifespan="off"))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:  # noqa: ASYNC110 - uvicorn offers no event
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        assert self._server is not None and self._task is not None
+        self._server.should_exit = True
+        await self._task
+
+
+def _as_stream(body: dict[str, Any]) -> str:
+    """A scripted completion as the chunks of `stream: true`: the text in two deltas,
+    each tool call as its header and then its arguments, the finish, the usage."""
+    message = body["choices"][0]["message"]
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": 0,
+            "model": body["model"]}
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    text = message.get("content") or ""
+    if text:
+        deltas += [{"content": text[: len(text) // 2]}, {"content": text[len(text) // 2:]}]
+    for i, call in enumerate(message.get("tool_calls", [])):
+        deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"],
+                                                    "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {
+            "arguments": call["function"]["arguments"]}}]})
+    chunks = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+              for d in deltas]
+    chunks.append({**head, "choices": [{"index": 0, "delta": {},
+                                        "finish_reason": body["choices"][0]["finish_reason"]}]})
+    chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def reply(text: str | None = None, calls: list[tuple[str, str, dict[str, Any]]] = ()
+          ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": cid, "type": "function",
+                                  "function": {"name": name, "arguments": json.dumps(args)}}
+                                 for cid, name, args in calls]
+    return {"id": f"chatcmpl-{uuid.uuid4().hex[:8]}", "object": "chat.completion",
+            "created": 0, "model": "scripted",
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": "tool_calls" if calls else "stop"}],
+            "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}}
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[ScriptedChat]:
+    server = await ScriptedChat().start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
+                  ) -> AsyncIterator[Planner]:
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    p = Planner(bus, system["catalog"], settings, instructions="Be brief.",
+                tools=lambda spec: spec.name.startswith("built-in:"))
+    await p.start()
+    yield p
+    await p.stop()
+
+
+async def test_a_turn_with_two_parallel_calls_then_an_answer(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str, nats_url: str) -> None:
+    model.script = [
+        (200, reply(calls=[("call_a", "built-in__echo", {"text": "a"}),
+                           ("call_b", "built-in__echo", {"text": "b"})])),
+        (200, reply("Both echoed.")),
+    ]
+    end = await client.ask(sid, "Echo a and b.")
+    assert isinstance(end, TurnCompleted), end
+    assert end.text == "Both echoed."
+    assert [o.status for o in end.outcomes] == ["succeeded", "succeeded"]
+
+    # What the model server received: the tools offered, then the results sent back.
+    first, second = model.received
+    assert first["model"] == "scripted"
+    assert first["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert first["messages"][1] == {"role": "user", "content": "Echo a and b."}
+    assert "built-in__echo" in {t["function"]["name"] for t in first["tools"]}
+    tool_msgs = [m for m in second["messages"] if m["role"] == "tool"]
+    assert [(m["tool_call_id"], json.loads(m["content"])) for m in tool_msgs] == \
+        [("call_a", {"text": "a"}), ("call_b", {"text": "b"})]
+    assert model.headers[0]["authorization"] == "Bearer sk-test-key"
+
+    # Each round trip is a pair of stored events; the calls are the planner's.
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    asked = [e for e in events if isinstance(e, ModelRequested)]
+    answered = [e for e in events if isinstance(e, ModelResponded)]
+    assert [e.iteration for e in asked] == [1, 2] and [e.iteration for e in answered] == [1, 2]
+    assert answered[0].tool_calls[0].name == "built-in:echo"
+    assert answered[0].input_tokens == 11 and answered[0].output_tokens == 7
+    assert all("sk-test-key" not in str(e) for e in events)
+
+    # Replay rebuilds the state from the log and calls no model.
+    before = len(model.received)
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "replay", sid, "--nats",
+                         nats_url], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "model.responded" in out.stdout and "Both echoed." in out.stdout
+    assert len(model.received) == before
+
+
+async def test_invalid_arguments_go_back_to_the_model_with_every_violation(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [
+        (200, reply(calls=[("c1", "built-in__current_time", {"timezone": 7})])),
+        (200, reply("I could not tell the time.")),
+    ]
+    end = await client.ask(sid, "What time is it?")
+    assert isinstance(end, TurnCompleted) and end.text == "I could not tell the time."
+    sent_back = next(m for m in model.received[1]["messages"] if m["role"] == "tool")
+    assert "timezone" in sent_back["content"]
+
+
+async def test_a_model_error_ends_the_turn_with_the_providers_message(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [(401, {"error": {"message": "Incorrect API key provided"}})]
+    end = await client.ask(sid, "Hello?")
+    assert isinstance(end, TurnFailed) and end.reason == "model_error"
+    assert "Incorrect API key provided" in end.message
+    assert "sk-test-key" not in end.message
+
+
+async def test_the_iteration_limit_ends_a_turn_that_never_answers(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings, max_iterations=2)
+    await p.start()
+    try:
+        model.script = [(200, reply(calls=[(f"c{i}", "built-in__echo", {"i": i})]))
+                        for i in range(3)]
+        end = await client.ask(sid, "Loop.")
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnFailed) and end.reason == "max_iterations"
+    assert len(model.received) == 2
+
+
+def test_the_token_limit_ends_a_turn() -> None:
+    from actors.planner import Offer, decide
+    from schemas.events import ModelRequested, ModelResponded, ModelToolCall, TurnRequested
+    from schemas.state import SessionState, evolve
+
+    state = SessionState(session_id="s")
+    for seq, ev in enumerate([
+            TurnRequested(session_id="s", at=0, actor="session", turn_id="t", request_id="t",
+                          call_ids=[], message="hi"),
+            ModelRequested(session_id="s", at=0, actor="planner", turn_id="t", iteration=1,
+                           provider="openai", model="m", tools=0, tools_digest=""),
+            ModelResponded(session_id="s", at=0, actor="planner", turn_id="t", iteration=1,
+                           text="", input_tokens=900, output_tokens=200,
+                           tool_calls=[ModelToolCall(call_id="t-0", id="a", name="x:y",
+                                                     arguments={})])], start=1):
+        evolve(state, ev, seq)
+    offer = Offer(provider="openai", model="m", tools=0, tools_digest="")
+    (ended,) = decide(state, offer, now=1.0, max_tokens=1000)
+    assert isinstance(ended.event, TurnFailed) and ended.event.reason == "max_tokens"
+    assert "1100 tokens" in ended.event.message
+    assert [type(a.event).__name__ for a in decide(state, offer, now=1.0)] == ["CallRequested"]
+
+
+async def test_text_deltas_are_published_live_and_not_stored(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    deltas: list[dict[str, Any]] = []
+
+    async def on_delta(msg: Any) -> None:
+        deltas.append(json.loads(msg.data))
+
+    sub = await bus.nc.subscribe(f"toolbus.live.{sid}.model.delta", cb=on_delta)
+    try:
+        model.script = [(200, reply("Tokyo is 9 hours ahead of UTC."))]
+        end = await client.ask(sid, "Time zone of Tokyo?")
+        await bus.nc.flush()
+    finally:
+        await sub.unsubscribe()
+    assert isinstance(end, TurnCompleted)
+    assert "".join(d["text"] for d in deltas) == "Tokyo is 9 hours ahead of UTC."
+    assert {d["iteration"] for d in deltas} == {1}
+    types = {s.subject.split(".")[3] for s in await EventLog(bus).read_session(sid)}
+    assert "model" in types and not any("delta" in s.subject
+                                        for s in await EventLog(bus).read_session(sid))
+
+
+async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    from bus.subjects import approval_subject
+    from tests.conftest import EventWatch, of_type
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings,
+                tools=lambda spec: spec.name.startswith("approvals:"))
+    await p.start()
+    try:
+        async with EventWatch(bus, sid) as watch:
+            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
+                            (200, reply("Written."))]
+            asking = asyncio.create_task(client.ask(sid, "Write hi."))
+            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
+            waiting = of_type(events, "approval.requested")[0]
+            await asyncio.sleep(0.3)
+            assert len(model.received) == 1  # nothing happens while a human is asked
+            decided = json.loads(await bus.request(
+                approval_subject(sid, waiting.call_id, "tester"),
+                b'{"decision": "approve", "by": "ada"}', timeout=5))
+            assert decided["ok"], decided
+            end = await asyncio.wait_for(asking, 30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "Written."
+    assert json.loads(next(m for m in model.received[1]["messages"]
+                           if m["role"] == "tool")["content"]) == {"wrote": "hi"}
+
+
+def _planner_process(tmp_path: Path, model: ScriptedChat, nats_url: str) -> Proc:
+    manifest = tmp_path / "agent.yaml"
+    manifest.write_text(
+        "agent_config:\n"
+        "  model:\n"
+        "    provider: openai\n"
+        "    model: scripted\n"
+        f"    base_url: http://127.0.0.1:{model.port}/v1\n"
+        "    api_key: ${SCRIPTED_KEY}\n")
+    return Proc("actor", "planner", "--manifest", str(manifest), "--nats", nats_url,
+                "--ack-wait", "1", ready="planner actor", env={"SCRIPTED_KEY": "k"})
+
+
+async def _kill(proc: Proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    await asyncio.to_thread(proc.proc.wait, 10)
+    proc.stop()
+
+
+async def test_a_planner_killed_before_the_answer_is_stored_asks_again_once(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, nats_url: str, tmp_path: Path) -> None:
+    model.script = [(200, reply(calls=[("x1", "testing__append_line",
+                                        {"path": str(tmp_path / "log"), "line": "x"})]), 5),
+                    (200, reply(calls=[("x1", "testing__append_line",
+                                        {"path": str(tmp_path / "log"), "line": "x"})])),
+                    (200, reply("done"))]
+    first = _planner_process(tmp_path, model, nats_url)
+    await first.wait_ready()
+    asking = asyncio.create_task(client.ask(sid, "Append x.", timeout=60))
+    await asyncio.wait_for(model.asked.wait(), 20)  # the model is being asked: no answer yet
+    await _kill(first)
+    second = _planner_process(tmp_path, model, nats_url)
+    try:
+        await second.wait_ready()
+        end = await asyncio.wait_for(asking, 60)
+    finally:
+        second.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "done", end
+    assert len(model.received) == 3  # iteration 1 twice (the first answer was lost), then 2
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    assert [e.iteration for e in events if isinstance(e, ModelResponded)] == [1, 2]
+    assert (tmp_path / "log").read_text() == "x\n"  # the tool ran once
+    assert sum(type(e).__name__ == "CallStarted" for e in events) == 1
+
+
+async def test_a_planner_killed_after_the_answer_is_stored_never_asks_again(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, nats_url: str, tmp_path: Path) -> None:
+    model.script = [(200, reply(calls=[("s1", "testing__append_line",
+                                        {"path": str(tmp_path / "log"), "line": "y"})])),
+                    (200, reply("done"))]
+    first = _planner_process(tmp_path, model, nats_url)
+    await first.wait_ready()
+    asking = asyncio.create_task(client.ask(sid, "Append y.", timeout=60))
+    log = EventLog(bus)
+    async with EventWatch(bus, sid) as watch:  # killed the moment the answer is stored
+        await watch.until(lambda evs: any(isinstance(e, ModelResponded) for e in evs), 20)
+    await _kill(first)
+    second = _planner_process(tmp_path, model, nats_url)
+    try:
+        await second.wait_ready()
+        end = await asyncio.wait_for(asking, 60)
+    finally:
+        second.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "done", end
+    events = [s.event for s in await log.read_session(sid)]
+    assert [e.iteration for e in events if isinstance(e, ModelResponded)] == [1, 2]
+    # Iteration 1 was never asked again; iteration 2 at most twice if the kill caught it.
+    assert sum(1 for r in model.received
+               if not any(m["role"] == "tool" for m in r["messages"])) == 1
+    assert (tmp_path / "log").read_text() == "y\n"
+
+
+async def test_toolbus_chat_streams_the_answer_and_shows_each_call(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    model.script = [(200, reply(calls=[("e1", "built-in__echo", {"text": "a"})])),
+                    (200, reply("All done here."))]
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "Echo a.",
+                         "--session", sid, "--nats", nats_url],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "All done here.\n"
+    assert "-> built-in:echo {\"text\":\"a\"}" in out.stderr
+    assert f"<- {sid}" not in out.stderr and " ok" in out.stderr
+    # A second turn in the same session sees the first one.
+    model.script = [(200, reply("Yes, I did."))]
+    again = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "--session", sid,
+                         "--nats", nats_url], input="Did you echo?\n",
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert again.returncode == 0 and again.stdout == "Yes, I did.\n", again.stderr
+    history = [(m["role"], m.get("content")) for m in model.received[-1]["messages"]]
+    assert ("user", "Echo a.") in history and ("assistant", "All done here.") in history
+
+
+def test_a_message_without_a_planner_is_refused_clearly() -> None:
+    from actors.session import decide_request
+    from schemas.requests import parse_request
+    from schemas.state import SessionState
+
+    request = parse_request(b'{"message": "hello?"}')
+    out = decide_request(SessionState(session_id="s"), request, "r1", now=0.0,
+                         subject="toolbus.req.s", request_seq=7, accept_messages=False)
+    assert len(out) == 1 and out[0].event.reason == "no_planner"  # type: ignore[attr-defined]
+    assert "agent_config.model" in out[0].event.message  # type: ignore[attr-defined]
+    both = b'{"message": "hi", "calls": [{"tool": "built-in:echo"}]}'
+    with pytest.raises(Exception, match="not both"):
+        parse_request(both)

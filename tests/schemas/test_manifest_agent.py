@@ -1,0 +1,298 @@
+"""The manifest's agent section, `agent_config:` (seed 000): its snippets load unchanged,
+every field is checked where it is written, and secrets come only from `${VAR}`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from schemas.errors import ManifestError
+from schemas.manifest import PLANNER_TOOLS, Manifest, parse_manifest, unknown_tool_refs
+from tests.conftest import REPO
+
+# Seed 000, "The model": verbatim.
+SEED_MCPS = """\
+agent_config:
+  mcps:
+    - id: cars
+      hostname: http://cars-mcp
+      port: 8765
+      transport: streamable-http
+    - id: crm
+      hostname: https://crm-tools.internal.example.com
+      port: 443
+      transport: streamable-http
+      api_key: ${CRM_MCP_KEY}
+"""
+
+# Seed 000, "Reevaluation tools": verbatim.
+SEED_REEVALUATION = """\
+agent_config:
+  context:
+    reevaluation_tools:
+      - id: crm:authenticate_customer
+      - id: crm:get_account_status
+"""
+
+MODEL = "model: {provider: openai, model: gpt-4o-mini, api_key: '${OPENAI_API_KEY}'}"
+
+
+def problems_of(text: str, **env: str) -> str:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, env=env)
+    return str(info.value)
+
+
+def test_seed_000_mcps_snippet_loads_unchanged_and_sends_its_key_as_a_bearer() -> None:
+    m = parse_manifest(SEED_MCPS, env={"CRM_MCP_KEY": "crm-s3cret"})
+    cars, crm = m.agent_config.mcps
+    assert [s.id for s in m.mcps] == ["cars", "crm"]  # what the connector runs
+    assert cars.url == "http://cars-mcp:8765/mcp" and cars.http_headers == {}
+    assert crm.url == "https://crm-tools.internal.example.com:443/mcp"
+    assert crm.http_headers == {"Authorization": "Bearer crm-s3cret"}
+    assert "crm-s3cret" not in crm.describe()
+
+
+def test_seed_000_reevaluation_snippet_loads_unchanged() -> None:
+    m = parse_manifest(SEED_REEVALUATION, env={})
+    assert [r.id for r in m.agent_config.context.reevaluation_tools] == [
+        "crm:authenticate_customer", "crm:get_account_status"]
+    assert m.mcps == []  # the servers are checked at boot, when they list their tools
+
+
+def test_both_seed_snippets_load_together_in_one_section() -> None:
+    both = SEED_MCPS + SEED_REEVALUATION.removeprefix("agent_config:\n")
+    m = parse_manifest(both, env={"CRM_MCP_KEY": "k"})
+    assert [s.id for s in m.mcps] == ["cars", "crm"]
+    assert len(m.agent_config.context.reevaluation_tools) == 2
+
+
+def test_the_agent_section_has_documented_defaults() -> None:
+    a = parse_manifest(f"agent_config: {{{MODEL}}}", env={"OPENAI_API_KEY": "sk-x"}).agent_config
+    assert a.model is not None
+    assert (a.model.timeout_s, a.model.max_retries, a.model.base_url) == (60.0, 4, None)
+    assert a.mode == "native" and a.instructions == "" and a.output_schema is None
+    assert (a.limits.max_iterations, a.limits.max_reevaluations,
+            a.limits.max_argument_retries, a.limits.max_tokens_per_turn) == (25, 3, 2, None)
+    assert a.policies == [] and a.think == [] and a.agents == {}
+    assert "sk-x" not in repr(a)  # a key never shows in a repr or a log line
+    assert parse_manifest("", env={}).agent_config.model is None
+
+
+def test_every_field_of_the_section_loads() -> None:
+    text = f"""
+agent_config:
+  {MODEL}
+  instructions: Be brief.
+  output_schema: {{type: object, properties: {{answer: {{type: string}}}}, required: [answer]}}
+  mode: composed
+  limits: {{max_iterations: 5, max_reevaluations: 1, max_tokens_per_turn: 9000,
+           max_argument_retries: 0}}
+  think:
+    - {{id: intent, instruction: Classify the request., output_schema: {{type: object}}}}
+  policies:
+    - id: auth_first
+      when_state: "!customer.authenticated"
+      action: Authenticate the customer before anything else.
+      tools: [crm:authenticate_customer]
+      reevaluate_after: [crm:authenticate_customer, {{id: crm:get_account_status}}]
+    - id: always_polite
+      action: Thank the customer.
+    - id: refunds
+      when: the customer asks for a refund
+      action: Hand the case to the billing agent.
+      tools: [agent:billing, built-in:emit_output]
+      think: {{id: refund_reason, instruction: Name the reason., output_schema: {{type: string}}}}
+  agents:
+    billing:
+      instructions: You handle refunds.
+      tools: ["crm:*", built-in:current_time]
+      model: {{provider: anthropic, model: claude-haiku-4-5, api_key: "${{ANTHROPIC_API_KEY:-}}",
+              base_url: "http://127.0.0.1:8080/", temperature: 0, max_tokens: 512}}
+"""
+    a = parse_manifest(text, env={"OPENAI_API_KEY": "sk-x"}).agent_config
+    assert a.mode == "composed" and a.limits.max_tokens_per_turn == 9000
+    auth, polite, refunds = a.policies
+    assert auth.when is None and auth.when_state == "!customer.authenticated"
+    assert auth.reevaluate_after == ["crm:authenticate_customer", "crm:get_account_status"]
+    assert polite.when is None and polite.when_state is None  # applies always
+    assert refunds.think is not None and refunds.think.id == "refund_reason"
+    billing = a.agents["billing"].model
+    assert billing is not None and billing.provider == "anthropic"
+    assert billing.api_key is None  # `${VAR:-}`: no key, for a local server
+    assert billing.base_url == "http://127.0.0.1:8080"
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    ("agent_config: {modle: x}", "agent_config.modle"),
+    ("agent_config: {model: {provider: openai, model: m, temprature: 1}}",
+     "agent_config.model.temprature"),
+    ("agent_config: {context: {reevaluation_tool: []}}", "agent_config.context.reevaluation_tool"),
+    ("agent_config: {context: {reevaluation_tools: [{id: a:b, scope: x}]}}",
+     "agent_config.context.reevaluation_tools[0].scope"),
+    ("agent_config: {limits: {max_steps: 3}}", "agent_config.limits.max_steps"),
+    ("agent_config: {policies: [{id: p, action: a, tool: [a:b]}]}",
+     "agent_config.policies[0].tool"),
+    ("agent_config: {think: [{id: t, instruction: i, output_schema: {}, model: m}]}",
+     "agent_config.think[0].model"),
+    ("agent_config: {mcps: [{id: a, hostname: 'http://h', port: 1, apikey: x}]}",
+     "agent_config.mcps[0].apikey"),
+])
+def test_an_unknown_key_fails_with_its_key_path(text: str, path: str) -> None:
+    assert f"{path}: Extra inputs are not permitted" in problems_of(text)
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    ("agent_config: {model: {provider: openai, model: m, api_key: sk-live-123}}",
+     "agent_config.model.api_key"),
+    ("agent_config: {model: {provider: openai, model: m, api_key: 'Bearer ${K}'}}",
+     "agent_config.model.api_key"),
+    ("agent_config: {model: {provider: openai, model: m, api_key: '${K:-sk-live-123}'}}",
+     "agent_config.model.api_key"),
+    ("agent_config: {agents: {a: {instructions: i, model: {provider: gemini, model: m,"
+     " api_key: sk-live-123}}}}", "agent_config.agents.a.model.api_key"),
+    ("agent_config: {mcps: [{id: crm, hostname: 'http://h', port: 1, api_key: sk-live-123}]}",
+     "agent_config.mcps[0].api_key"),
+])
+def test_a_key_written_in_the_manifest_is_refused(text: str, path: str) -> None:
+    message = problems_of(text, K="v")
+    assert f"{path}: a key written in the manifest is refused" in message
+    assert "${VAR_NAME}" in message and "sk-live-123" not in message
+
+
+def test_a_missing_variable_is_named_with_its_key_path() -> None:
+    message = problems_of(f"agent_config: {{{MODEL}}}")
+    assert "agent_config.model.api_key: ${OPENAI_API_KEY} is not set in the environment" \
+        in message
+    assert "${CRM_MCP_KEY} is not set" in problems_of(SEED_MCPS)
+
+
+def test_a_policy_gives_when_or_when_state_not_both() -> None:
+    message = problems_of("agent_config: {policies: [{id: p, action: a, when: always,"
+                          " when_state: 'a.b'}]}")
+    assert "agent_config.policies[0]:" in message
+    assert "give when (natural language) or when_state" in message
+    bad = problems_of("agent_config: {policies: [{id: p, action: a, when_state: 'a.['}]}")
+    assert "agent_config.policies[0].when_state:" in bad and "not a JMESPath expression" in bad
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    ("agent_config: {output_schema: {type: objekt}}", "agent_config.output_schema"),
+    ("agent_config: {output_schema: {type: object, required: answer}}",
+     "agent_config.output_schema"),
+    ("agent_config: {output_schema: '{type: object}'}", "agent_config.output_schema"),
+    ("agent_config: {think: [{id: t, instruction: i, output_schema: {minLength: -1}}]}",
+     "agent_config.think[0].output_schema"),
+    (f"agent_config: {{{MODEL}, agents: {{a: {{instructions: i, output_schema: "
+     "{properties: []}}}}", "agent_config.agents.a.output_schema"),
+])
+def test_an_invalid_output_schema_is_refused(text: str, path: str) -> None:
+    message = problems_of(text, OPENAI_API_KEY="k")
+    assert f"{path}:" in message
+    assert "not a valid JSON Schema" in message or "valid dictionary" in message
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("agent_config: {model: {provider: mistral, model: m}}", "agent_config.model.provider"),
+    ("agent_config: {model: {provider: openai, model: m, base_url: api.openai.com}}",
+     "base_url must be an absolute http(s) URL"),
+    ("agent_config: {limits: {max_iterations: 0}}", "agent_config.limits.max_iterations"),
+    ("agent_config: {mode: hybrid}", "agent_config.mode"),
+    ("agent_config: {context: {reevaluation_tools: [{id: authenticate_customer}]}}",
+     "write it as namespace:tool"),
+    ("agent_config: {policies: [{id: p, action: a, reevaluate_after: [crm]}]}",
+     "agent_config.policies[0].reevaluate_after[0]"),
+    ("agent_config: {policies: [{id: p, when: x}]}", "agent_config.policies[0].action"),
+    ("agent_config: {policies: [{id: p, action: a}, {id: p, action: b}]}",
+     "policies[1].id: policy id p is also policies[0].id"),
+    ("agent_config: {think: [{id: t, instruction: i, output_schema: {}}], policies: [{id: p,"
+     " action: a, think: {id: t, instruction: j, output_schema: {}}}]}",
+     "policies[0].think.id: think step id t is also think[0].id"),
+    ("agent_config: {agents: {billing: {instructions: i}}}",
+     "agents.billing: no model; set agents.billing.model or agent_config.model"),
+    ("agent_config: {policies: [{id: p, action: a, tools: [agent:nobody]}]}",
+     "agent:nobody names no agent"),
+    (f"agent_config: {{{MODEL}, agents: {{a: {{instructions: i, tools: [cars]}}}}}}",
+     "tool pattern 'cars': write namespace:tool"),
+    ("agent_config: {agents: {'a b': {instructions: i}}}", "agent_config.agents.a b"),
+])
+def test_each_field_is_checked_where_it_is_written(text: str, why: str) -> None:
+    assert why in problems_of(text, OPENAI_API_KEY="k")
+
+
+def test_mcps_may_sit_in_both_places_but_an_id_only_once() -> None:
+    message = problems_of("mcps: [{id: cars, hostname: 'http://h', port: 1}]\n" + SEED_MCPS,
+                          CRM_MCP_KEY="k")
+    assert ("agent_config.mcps[0].id: MCP server cars is also declared under mcps[0]; "
+            "declare it once") in message
+    m = parse_manifest("mcps: [{id: fleet, transport: stdio, command: x}]\n" + SEED_MCPS,
+                       env={"CRM_MCP_KEY": "k"})
+    assert [s.id for s in m.mcps] == ["fleet", "cars", "crm"]
+    assert Manifest.model_validate(m).mcps == m.mcps  # merged once, not again
+    assert "two MCP servers have the id crm" in problems_of(
+        "agent_config: {mcps: [{id: crm, hostname: 'http://h', port: 1},"
+        " {id: crm, hostname: 'http://g', port: 2}]}")
+    assert "agent_config.mcps[0].pool: pool 'gpu' is not declared" in problems_of(
+        "agent_config: {mcps: [{id: crm, hostname: 'http://h', port: 1, pool: gpu}]}")
+
+
+def test_unknown_tool_refs_names_the_key_path_the_id_and_what_the_server_lists() -> None:
+    m = parse_manifest(SEED_MCPS + """\
+  context:
+    reevaluation_tools:
+      - id: crm:authenticate_customer
+      - id: crm:get_acount_status
+  policies:
+    - id: auth
+      action: Authenticate first.
+      tools: [crm:authenticate_customer, built-in:emit_output, built-in:reason]
+      reevaluate_after: [built-in:echo, tickets:create_ticket]
+""", env={"CRM_MCP_KEY": "k"})
+    served = {"crm": {"crm:authenticate_customer", "crm:get_account_status"},
+              "cars": set(), "built-in": {"built-in:echo"}}
+    assert set(PLANNER_TOOLS) == {"built-in:reason", "built-in:emit_output"}
+    problems = unknown_tool_refs(m, served, complete=True)
+    assert problems == [
+        "agent_config.context.reevaluation_tools[1].id: crm:get_acount_status is not a tool "
+        "of MCP server crm (did you mean crm:get_account_status?), which has "
+        "crm:authenticate_customer, crm:get_account_status",
+        "agent_config.policies[0].reevaluate_after[1]: tickets:create_ticket: no declared MCP "
+        "server or tool has the namespace tickets (MCP servers: cars, crm; tool namespaces: "
+        "built-in)",
+    ]
+    many = {"crm": {f"crm:tool_{i:02}" for i in range(25)}}
+    assert unknown_tool_refs(m, many, complete=False)[0].endswith(
+        "which has crm:tool_00, crm:tool_01, crm:tool_02, crm:tool_03, crm:tool_04, "
+        "crm:tool_05, crm:tool_06, crm:tool_07, crm:tool_08, crm:tool_09, crm:tool_10, "
+        "crm:tool_11, crm:tool_12, crm:tool_13, crm:tool_14, crm:tool_15, crm:tool_16, "
+        "crm:tool_17, crm:tool_18, crm:tool_19 and 5 more")
+    # A process that serves only some namespaces (`toolbus actor mcp --only crm`) checks
+    # those, and leaves the others to the processes that serve them.
+    assert unknown_tool_refs(m, {"crm": served["crm"]}, complete=False) == problems[:1]
+
+
+def test_the_example_agent_manifest_parses() -> None:
+    text = (REPO / "deploy/examples/agent.yaml").read_text()
+    m = parse_manifest(text, env={"OPENAI_API_KEY": "sk-test"})
+    model = m.agent_config.model
+    assert model is not None and model.provider == "openai"
+    assert model.base_url == "https://api.openai.com/v1" and model.api_key == "sk-test"
+    assert [p.id for p in m.agent_config.policies] == ["tell_the_time"]
+    assert m.agent_config.policies[0].tools == ["built-in:current_time"]
+    local = parse_manifest(text, env={"OPENAI_API_KEY": "k", "OPENAI_MODEL": "smollm2",
+                                      "OPENAI_BASE_URL": "http://127.0.0.1:8080/v1"})
+    assert local.agent_config.model is not None
+    assert local.agent_config.model.base_url == "http://127.0.0.1:8080/v1"
+    assert local.agent_config.model.model == "smollm2"
+    assert "${OPENAI_API_KEY} is not set" in problems_of(text)
+    # Every tool it names is one it serves.
+    served = {"built-in": {"built-in:echo", "built-in:current_time"}}
+    assert unknown_tool_refs(m, served, complete=True) == []
+
+
+def test_error_messages_never_quote_a_resolved_key() -> None:
+    message = problems_of("agent_config: {model: {provider: openai, model: m, api_key: "
+                          "'${K}', temperature: 9}}", K="sk-live-999")
+    assert "agent_config.model.temperature" in message and "sk-live-999" not in message
+    assert re.search(r"less than or equal to 2", message)
