@@ -1,12 +1,15 @@
 """Planner actor: the agent loop, event-sourced.
 
-Consumes: `turn.requested`, `model.requested`, `model.responded` and the calls' terminal
-events (`call.succeeded`, `call.failed`, `call.rejected`), one session at a time.
+Consumes: `turn.requested`, `model.requested`, `model.responded`, `policies.matched`,
+`turn.reevaluated`, `output.emitted`, `output.rejected` and the calls' terminal events
+(`call.succeeded`, `call.failed`, `call.rejected`), one session at a time.
 Emits: `model.requested` (concurrency-checked, like every decision), `model.responded`
 (a fact: the model's answer), `call.requested` for the calls the model asked for (the
-approval and session actors take them from there, as for explicit calls), and the end
-of the turn: `turn.completed` with the answer, or `turn.failed` (a model error, the
-iteration limit).
+approval and session actors take them from there, as for explicit calls), the agent
+section's decisions (`policies.matched`, `turn.reevaluated`, `output.emitted` /
+`output.rejected`), and the end of the turn: `turn.completed` with the answer, or
+`turn.failed` (a model error, the iteration limit, a think step that never fit its
+schema).
 
 Level-triggered, as the session actor: after each event, `decide` answers "what is due?"
 from the state alone. The model is called by whoever handles a `model.requested` that has
@@ -14,21 +17,41 @@ no answer yet, holding that message (in-progress acks) until the answer is store
 planner killed before `model.responded` leaves the message to be redelivered and the
 model asked again (a model call has no side effects); killed after it, the answer is in
 the log and nothing asks again. Replay reads the answers from the log and never calls a
-model.
+model. Idempotency: every event has a deterministic id (schemas/ids.py), per turn and
+model iteration, reevaluation round or call.
+
+A turn of an agent with behaviour policies (seed 000), in order:
+1. `policies.matched` (round 0): `when_state:` policies are judged here, over the
+   session's state object; `when:` policies by the model, in one structured round trip
+   (`model.requested`/`model.responded` with `purpose: match`) stored before the match.
+2. Think steps (`built-in:reason`): the agent's `think:` list, then each matched policy's
+   `think:`, one structured round trip each (`purpose: think`); an output that breaks its
+   schema is asked for again with the violations, at most `max_output_retries` times.
+3. The agent loop (`purpose: chat`): the system prompt is the instructions plus the
+   matched policies' actions and the think outputs; the tools offered are the union of
+   the matched policies' `tools` (and the reevaluation tools) when any names tools, else
+   every tool the planner may offer; plus `built-in:emit_output` with an output schema.
+4. When every call of a model iteration has ended and one of them, a success, is a global
+   reevaluation tool or in an active policy's `reevaluate_after`: `turn.reevaluated`,
+   then 1 and 2 again for the new round, and the loop goes on in the same turn. After
+   `max_reevaluations` a trigger is stored as `turn.reevaluated` with `capped` and nothing
+   is decided again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
+import jmespath
 import msgspec
 
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
@@ -44,11 +67,16 @@ from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
 from schemas.errors import ModelError
 from schemas.events import (
     CallRequested,
+    ModelPurpose,
     ModelRequested,
     ModelResponded,
     ModelToolCall,
+    OutputEmitted,
+    OutputRejected,
+    PoliciesMatched,
     TurnCompleted,
     TurnFailed,
+    TurnReevaluated,
     clip,
 )
 from schemas.ids import (
@@ -57,15 +85,24 @@ from schemas.ids import (
     is_token,
     model_requested_id,
     model_responded_id,
+    output_verdict_id,
+    policies_matched_id,
     turn_ended_id,
+    turn_reevaluated_id,
 )
-from schemas.state import CallState, SessionState, TurnState, turn_outcomes
+from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
+from schemas.state import CallState, ModelStep, SessionState, TurnState, turn_outcomes
 from schemas.tools import ToolSpec
+from schemas.validation import Validator
 
 log = logging.getLogger("toolbus.planner")
 
 ACTOR = "planner"
 DEFAULT_MAX_ITERATIONS = 25
+DEFAULT_MAX_REEVALUATIONS = 3
+DEFAULT_MAX_OUTPUT_RETRIES = 2
+EMIT_OUTPUT = "built-in:emit_output"
+REASON = "built-in:reason"
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
 
 
@@ -75,12 +112,137 @@ class _Deltas(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """What the model is offered this time: named in `model.requested`."""
+    """What the model may be offered: the provider and model named in `model.requested`,
+    the tools the planner may offer (`tools`, the catalog filtered), and the whole
+    catalog by name (`catalog`: a policy's `tools` are looked up there)."""
 
     provider: str
     model: str
-    tools: int
-    tools_digest: str
+    tools: tuple[ToolSpec, ...] = ()
+    catalog: Mapping[str, ToolSpec] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Rules:
+    """What the agent section asks of the planner besides the loop (seed 000): the
+    instructions, the behaviour policies, the reevaluation tools, the think steps and the
+    output schema, with their schemas and JMESPath expressions compiled once."""
+
+    instructions: str | None = None
+    policies: tuple[AgentPolicy, ...] = ()
+    reevaluation_tools: frozenset[str] = frozenset()
+    think: tuple[ThinkStep, ...] = ()
+    output_schema: dict[str, Any] | None = None
+    max_reevaluations: int = DEFAULT_MAX_REEVALUATIONS
+    # A think step's output that breaks its schema is asked for again this many times.
+    max_output_retries: int = DEFAULT_MAX_OUTPUT_RETRIES
+    _conditions: dict[str, Any] = field(init=False, repr=False)
+    _steps: dict[str, tuple[ThinkStep, Validator]] = field(init=False, repr=False)
+    _emit: tuple[ToolSpec, Validator] | None = field(init=False, repr=False)
+    _writes: frozenset[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        conditions = {p.id: jmespath.compile(p.when_state) for p in self.policies
+                      if p.when_state is not None}
+        steps = [*self.think, *(p.think for p in self.policies if p.think is not None)]
+        emit = None
+        if self.output_schema is not None:
+            spec = emit_output_spec(self.output_schema)
+            emit = (spec, Validator(spec.parameters))
+        object.__setattr__(self, "_conditions", conditions)
+        object.__setattr__(self, "_steps", {t.id: (t, Validator(t.output_schema))
+                                            for t in steps})
+        object.__setattr__(self, "_emit", emit)
+        object.__setattr__(self, "_writes", self.reevaluation_tools | {
+            t for p in self.policies for t in (*p.tools, *p.reevaluate_after)})
+
+    @classmethod
+    def of(cls, agent: AgentConfig, *, instructions: str | None = None) -> Rules:
+        return cls(instructions=instructions or agent.instructions or None,
+                   policies=tuple(agent.policies),
+                   reevaluation_tools=frozenset(r.id for r in agent.context.reevaluation_tools),
+                   think=tuple(agent.think), output_schema=agent.output_schema,
+                   max_reevaluations=agent.limits.max_reevaluations,
+                   max_output_retries=agent.limits.max_argument_retries)
+
+    @property
+    def emit(self) -> ToolSpec | None:
+        """`built-in:emit_output`, when the agent has an output schema."""
+        return None if self._emit is None else self._emit[0]
+
+    def step(self, step_id: str) -> tuple[ThinkStep, Validator] | None:
+        return self._steps.get(step_id)
+
+    def output_tools(self) -> frozenset[str]:
+        """The tools the agent section names (reevaluation tools, policies' `tools` and
+        `reevaluate_after`): what they return is what policies are about, so their results
+        land in the state object `when_state` reads (see `output_path_for`)."""
+        return self._writes
+
+    def holds(self, policy: AgentPolicy, document: Any) -> tuple[bool, str | None]:
+        """Whether `policy.when_state` holds over `document` (JMESPath truthiness), and
+        why not when it could not be evaluated."""
+        try:
+            value = self._conditions[policy.id].search(document)
+        except jmespath.exceptions.JMESPathError as exc:
+            return False, f"{policy.id}: when_state failed ({exc}); taken as not applying"
+        return _truthy(value), None
+
+    def judge_output(self, call: ModelToolCall) -> tuple[Any, list[str]]:
+        """An emit_output call's output, and every way it breaks the output schema."""
+        assert self._emit is not None
+        _, validator = self._emit
+        invalid = call.extra.get("invalid_arguments")
+        if invalid is not None or not isinstance(call.arguments, dict):
+            return None, [f"$: the arguments are not a JSON object: {clip(str(invalid), 200)}"]
+        arguments, violations = validator.check(call.arguments)
+        if violations:
+            return None, [str(v) for v in violations]
+        return (arguments["output"] if _wrapped(self.output_schema) else arguments), []
+
+
+DEFAULT_RULES = Rules()
+
+
+def _truthy(value: Any) -> bool:
+    """JMESPath's truth: false, null, and an empty string, list or object are false; 0
+    is true."""
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, str | list | dict) and not value)
+
+
+def _wrapped(schema: dict[str, Any] | None) -> bool:
+    """Whether an output schema describes something other than an object."""
+    if schema is None:
+        return False
+    kind = schema.get("type")
+    return kind != "object" and not (kind is None and "properties" in schema)
+
+
+def emit_output_spec(schema: dict[str, Any]) -> ToolSpec:
+    """`built-in:emit_output` as the model sees it: the output schema as its parameters,
+    or, when the output is not an object (tool arguments must be), under `output`."""
+    params = {"type": "object", "properties": {"output": schema}, "required": ["output"],
+              "additionalProperties": False} if _wrapped(schema) else schema
+    return ToolSpec(name=EMIT_OUTPUT, source="planner", parameters=params,
+                    description="Give the result of this turn. Its arguments must match "
+                                "this schema; once accepted, the turn is over.")
+
+
+def output_path_for(tool: str) -> str:
+    """Where a successful result of a tool the agent section names lands in the state
+    object, for `when_state` to read: under its namespace, then its name
+    (`crm:authenticate_customer` -> `crm.authenticate_customer`); the latest result
+    wins."""
+    return tool.replace(":", ".", 1)
+
+
+def state_document(state: SessionState) -> dict[str, Any]:
+    """What `when_state` is evaluated over: the session's state object (`state.data`,
+    where results with an output path land), with the think outputs under
+    `step_outputs`."""
+    return {**state.data, "step_outputs": state.step_outputs}
 
 
 # --- pure decisions -------------------------------------------------------------------
@@ -88,73 +250,338 @@ class Offer:
 
 def decide(state: SessionState, offer: Offer, *, now: float,
            max_iterations: int = DEFAULT_MAX_ITERATIONS,
-           max_tokens: int | None = None) -> list[Append]:
-    """What is due in the session's planner turns: ask the model, request the calls it
-    asked for, or end the turn."""
+           max_tokens: int | None = None, rules: Rules = DEFAULT_RULES) -> list[Append]:
+    """What is due in the session's planner turns: match the policies, run a think step,
+    ask the model, request the calls it asked for, judge its output, reevaluate, or end
+    the turn."""
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
         if turn.message is not None:
-            out += _due(state, turn, offer, now=now, max_iterations=max_iterations,
+            out += _due(state, turn, offer, rules, now=now, max_iterations=max_iterations,
                         max_tokens=max_tokens)
     return out
 
 
-def _due(state: SessionState, turn: TurnState, offer: Offer, *, now: float,
+def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, now: float,
          max_iterations: int, max_tokens: int | None) -> list[Append]:
     sid = state.session_id
-    answered = len(turn.steps)
-    if turn.model_requested > answered:
+    if turn.model_requested > len(turn.steps):
         return []  # the model is being asked
-    if answered == 0:
-        return [_ask(sid, turn, 1, offer, now)]
     used = sum(s.input_tokens + s.output_tokens for s in turn.steps)
     if max_tokens is not None and used > max_tokens:
         return [_fail(state, turn, "max_tokens", f"the turn used {used} tokens over "
-                      f"{answered} model calls; the limit is {max_tokens} per turn", now)]
-    last = turn.steps[-1]
-    if not last.tool_calls:
-        outcomes = turn_outcomes(state, turn)
-        return [Append(TurnCompleted(session_id=sid, at=now, actor=ACTOR,
-                                     turn_id=turn.turn_id, request_id=turn.request_id,
-                                     ok=True, outcomes=outcomes, text=last.text),
-                       turn_ended_id(sid, turn.turn_id))]
-    missing = [c for c in last.tool_calls if c.call_id not in state.calls]
-    if missing:
-        return [Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
-                                     turn_id=turn.turn_id, tool=c.name,
-                                     arguments=c.arguments, agent=turn.agent),
-                       call_requested_id(sid, c.call_id)) for c in missing]
-    if not all(state.calls[c.call_id].terminal for c in last.tool_calls):
-        return []  # the calls are running (or waiting for a human)
-    if answered >= max_iterations:
+                      f"{len(turn.steps)} model calls; the limit is {max_tokens} per turn",
+                      now)]
+    chat = [s for s in turn.steps if s.purpose == "chat"]
+    if chat:
+        last = chat[-1]
+        if not last.tool_calls:
+            return [_complete(state, turn, last.text, None, now)]
+        waiting = _calls_due(state, turn, last, rules, now)
+        if waiting is not None:
+            return waiting
+        if turn.output_call_id is not None:
+            output = turn.output
+            return [_complete(state, turn, _encode(output).decode(), output, now)]
+        again = _reevaluation_due(state, turn, last, rules, now)
+        if again:
+            return again
+    # Before the next chat step: what applies in this round, then the think steps due.
+    if rules.policies and turn.matched_round < turn.round:
+        return _match(state, turn, offer, rules, now)
+    think = _think_due(state, turn, offer, rules, now)
+    if think is not None:
+        return think
+    if len(chat) >= max_iterations:
         return [_fail(state, turn, "max_iterations",
-                      f"the model asked for tools {answered} times without answering; the "
+                      f"the model asked for tools {len(chat)} times without answering; the "
                       f"limit is {max_iterations} iterations per turn", now)]
-    return [_ask(sid, turn, answered + 1, offer, now)]
+    tools = offered_tools(rules, offer, turn)
+    return [_ask(sid, turn, offer, now, tools=tools)]
+
+
+def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rules,
+               now: float) -> list[Append] | None:
+    """The model's calls of `last`: those not requested yet, the emit_output verdicts
+    not stored yet, or [] to wait for calls still running. None: all have ended."""
+    sid = state.session_id
+    out: list[Append] = []
+    emits = [c for c in last.tool_calls if rules.emit is not None and c.name == EMIT_OUTPUT]
+    real = [c for c in last.tool_calls if c not in emits]
+    writes = rules.output_tools()
+    for c in real:
+        if c.call_id not in state.calls:
+            out.append(Append(CallRequested(
+                session_id=sid, at=now, actor=ACTOR, call_id=c.call_id, turn_id=turn.turn_id,
+                tool=c.name, arguments=c.arguments, agent=turn.agent,
+                output_path=output_path_for(c.name) if c.name in writes else None),
+                call_requested_id(sid, c.call_id)))
+    judged = {v.call_id for v in turn.verdicts}
+    emitted = turn.output_call_id is not None
+    for c in emits:
+        if c.call_id in judged:
+            continue
+        if emitted:
+            violations = ["$: an output was already accepted for this turn"]
+            output: Any = None
+        else:
+            output, violations = rules.judge_output(c)
+        if violations:
+            message = describe_output(violations)
+            out.append(Append(OutputRejected(session_id=sid, at=now, actor=ACTOR,
+                                             turn_id=turn.turn_id, call_id=c.call_id,
+                                             message=clip(message), violations=violations),
+                              output_verdict_id(sid, c.call_id)))
+        else:
+            emitted = True
+            out.append(Append(OutputEmitted(session_id=sid, at=now, actor=ACTOR,
+                                            turn_id=turn.turn_id, call_id=c.call_id,
+                                            output=output),
+                              output_verdict_id(sid, c.call_id)))
+    if out:
+        return out
+    if not all(state.calls[c.call_id].terminal for c in real):
+        return []  # the calls are running (or waiting for a human)
+    return None
+
+
+def describe_output(violations: list[str]) -> str:
+    n = len(violations)
+    return (f"the output does not match the output schema: {n} violation"
+            f"{'s' if n != 1 else ''}: {'; '.join(violations)}. Call {EMIT_OUTPUT} again "
+            "with an output that matches it.")
+
+
+def _reevaluation_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rules,
+                      now: float) -> list[Append]:
+    """`turn.reevaluated` when a successful call of `last` is a reevaluation tool (global,
+    or in an active policy's `reevaluate_after`) and the agent has policies to decide
+    again; capped past the turn's limit."""
+    if not rules.policies or any(r.after_iteration == last.iteration
+                                 for r in turn.reevaluations):
+        return []
+    triggers = rules.reevaluation_tools | {t for p in active_policies(rules, turn)
+                                           for t in p.reevaluate_after}
+    fired = [c for c in last.tool_calls if c.name in triggers
+             and (call := state.calls.get(c.call_id)) is not None
+             and call.status == "succeeded"]
+    if not fired:
+        return []
+    done = sum(1 for r in turn.reevaluations if not r.capped)
+    capped = done >= rules.max_reevaluations
+    sid = state.session_id
+    return [Append(TurnReevaluated(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
+                                   round=turn.round + (0 if capped else 1),
+                                   after_iteration=last.iteration,
+                                   trigger_call_ids=[c.call_id for c in fired],
+                                   tools=[c.name for c in fired],
+                                   limit=rules.max_reevaluations, capped=capped),
+                   turn_reevaluated_id(sid, turn.turn_id, last.iteration))]
+
+
+def _match(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
+           now: float) -> list[Append]:
+    """`policies.matched` for the turn's round, once the model has judged the `when:`
+    policies (asked here first, if any)."""
+    sid = state.session_id
+    spoken = [p.id for p in rules.policies if p.when is not None]
+    by_model: list[str] = []
+    notes: list[str] = []
+    iteration: int | None = None
+    if spoken:
+        judged = next((s for s in reversed(turn.steps)
+                       if s.purpose == "match" and s.round == turn.round), None)
+        if judged is None:
+            return [_ask(sid, turn, offer, now, purpose="match", round_=turn.round)]
+        iteration = judged.iteration
+        applies = judged.output.get("applies") if isinstance(judged.output, dict) else None
+        if not isinstance(applies, list):
+            notes.append("the model's judgement named no list of policies; no when: "
+                         "policy applies")
+            applies = []
+        by_model = [i for i in spoken if i in applies]
+        unknown = [str(i) for i in applies if i not in spoken]
+        if unknown:
+            notes.append(f"the model named {', '.join(unknown)}, not a when: policy; ignored")
+    document = state_document(state)
+    matched: list[str] = []
+    for p in rules.policies:
+        if p.when is not None:
+            applies_now = p.id in by_model
+        elif p.when_state is not None:
+            applies_now, why = rules.holds(p, document)
+            if why is not None:
+                notes.append(why)
+        else:
+            applies_now = True  # no condition: always
+        if applies_now:
+            matched.append(p.id)
+    return [Append(PoliciesMatched(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
+                                   round=turn.round, matched=matched, by_model=by_model,
+                                   model_iteration=iteration, notes=notes),
+                   policies_matched_id(sid, turn.turn_id, turn.round))]
+
+
+def _think_due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
+               now: float) -> list[Append] | None:
+    """The next think step of the turn without a valid output: the agent's, then those of
+    the policies that apply. A step whose outputs kept breaking its schema ends the
+    turn."""
+    due = [*rules.think, *(p.think for p in active_policies(rules, turn) if p.think)]
+    for step in due:
+        tries = [s for s in turn.steps if s.purpose == "think" and s.step == step.id]
+        if tries and not tries[-1].violations:
+            continue
+        if len(tries) > rules.max_output_retries:
+            return [_fail(state, turn, "invalid_think_output",
+                          f"think step {step.id} ({REASON}) answered {len(tries)} times "
+                          f"without matching its output schema; last: "
+                          f"{'; '.join(tries[-1].violations)}", now)]
+        return [_ask(state.session_id, turn, offer, now, purpose="think", step=step.id)]
+    return None
+
+
+def _complete(state: SessionState, turn: TurnState, text: str, output: Any,
+              now: float) -> Append:
+    sid = state.session_id
+    return Append(TurnCompleted(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
+                                request_id=turn.request_id, ok=True,
+                                outcomes=turn_outcomes(state, turn), text=text,
+                                output=output),
+                  turn_ended_id(sid, turn.turn_id))
 
 
 def _fail(state: SessionState, turn: TurnState, reason: str, message: str,
           now: float) -> Append:
     sid = state.session_id
     return Append(TurnFailed(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
-                             request_id=turn.request_id, reason=reason, message=message,
+                             request_id=turn.request_id, reason=reason, message=clip(message),
                              outcomes=turn_outcomes(state, turn)),
                   turn_ended_id(sid, turn.turn_id))
 
 
-def _ask(sid: str, turn: TurnState, iteration: int, offer: Offer, now: float) -> Append:
+def _ask(sid: str, turn: TurnState, offer: Offer, now: float, *,
+         tools: Sequence[ToolSpec] = (), purpose: ModelPurpose = "chat",
+         step: str | None = None, round_: int = 0) -> Append:
+    iteration = len(turn.steps) + 1
     return Append(ModelRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
                                  iteration=iteration, provider=offer.provider,
-                                 model=offer.model, tools=offer.tools,
-                                 tools_digest=offer.tools_digest),
+                                 model=offer.model, tools=len(tools),
+                                 tools_digest=tools_digest(tools), purpose=purpose,
+                                 step=step, round=round_),
                   model_requested_id(sid, turn.turn_id, iteration))
+
+
+# --- what the model is given ------------------------------------------------------------
+
+
+def active_policies(rules: Rules, turn: TurnState) -> list[AgentPolicy]:
+    """The policies the turn's latest `policies.matched` found to apply, in manifest
+    order."""
+    ids = set(turn.policies)
+    return [p for p in rules.policies if p.id in ids]
+
+
+def offered_tools(rules: Rules, offer: Offer, turn: TurnState) -> list[ToolSpec]:
+    """The tools of the next chat step: when a policy that applies names tools, the union
+    of those and the global reevaluation tools (those found in the catalog); otherwise
+    every tool the planner may offer. Plus `built-in:emit_output` with an output
+    schema."""
+    named = [t for p in active_policies(rules, turn) for t in p.tools]
+    if named:
+        names = dict.fromkeys([*named, *sorted(rules.reevaluation_tools)])
+        specs = [offer.catalog[n] for n in names if n in offer.catalog]
+    else:
+        specs = [s for s in offer.tools if s.name != EMIT_OUTPUT]
+    if rules.emit is not None:
+        specs.append(rules.emit)
+    return specs
+
+
+def _think_outputs(turn: TurnState) -> dict[str, Any]:
+    return {s.step: s.output for s in turn.steps
+            if s.purpose == "think" and s.step is not None and not s.violations}
+
+
+def system_prompt(rules: Rules, turn: TurnState) -> str | None:
+    """The instructions, then what the policies that apply say to do, then this turn's
+    think outputs, then how to give a structured result."""
+    parts = [rules.instructions] if rules.instructions else []
+    active = active_policies(rules, turn)
+    if active:
+        parts.append("These policies apply now; follow them:\n"
+                     + "\n".join(f"- {p.id}: {p.action}" for p in active))
+    outputs = _think_outputs(turn)
+    if outputs:
+        parts.append(f"What your reasoning steps ({REASON}) concluded:\n"
+                     + "\n".join(f"- {k}: {_encode(v).decode()}" for k, v in outputs.items()))
+    if rules.emit is not None:
+        parts.append(f"Give the result of this turn by calling {EMIT_OUTPUT}; its arguments "
+                     "must match its schema.")
+    return "\n\n".join(parts) or None
+
+
+def match_schema(rules: Rules) -> dict[str, Any]:
+    ids = [p.id for p in rules.policies if p.when is not None]
+    return {"type": "object", "additionalProperties": False, "required": ["applies"],
+            "properties": {"applies": {"type": "array",
+                                       "items": {"type": "string", "enum": ids}}}}
+
+
+def match_prompt(rules: Rules) -> str:
+    listed = "\n".join(f"- {p.id}: {p.when}" for p in rules.policies if p.when is not None)
+    return ("Decide which of these policies apply to the conversation as it stands now. "
+            "Each line is a policy id and the condition under which it applies:\n"
+            f"{listed}\n\nAnswer with a JSON object, {{\"applies\": [...]}}, listing the ids "
+            "of the policies whose condition holds (an empty list when none does).")
+
+
+def think_prompt(rules: Rules, turn: TurnState, step: ThinkStep) -> str:
+    base = system_prompt(rules, turn)
+    schema = _encode(step.output_schema).decode()
+    return ((f"{base}\n\n" if base else "")
+            + f"Think step {step.id} ({REASON}): {step.instruction}\n"
+            f"Answer with one JSON value that matches this JSON Schema: {schema}")
+
+
+def think_messages(state: SessionState, turn: TurnState, step_id: str) -> list[Message]:
+    """The conversation, then each earlier answer to this step that broke its schema,
+    with the violations, so the next answer can fix them all."""
+    out = transcript(state, turn)
+    for s in turn.steps:
+        if s.purpose == "think" and s.step == step_id and s.violations:
+            out.append(Message(role="assistant", text=s.text))
+            out.append(Message(role="user", text="That answer does not match the schema: "
+                               f"{'; '.join(s.violations)}. Answer again."))
+    return out
+
+
+def parse_structured(text: str, validator: Validator | None) -> tuple[Any, list[str]]:
+    """A structured reply's JSON value (a ```json fence around it is tolerated) and every
+    way it breaks the schema."""
+    body = text.strip()
+    if body.startswith("```"):
+        body = body.split("\n", 1)[1] if "\n" in body else ""
+        body = body.rsplit("```", 1)[0].strip()
+    try:
+        value = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None, [f"$: the answer is not JSON: {clip(text, 200)!r}"]
+    if validator is None:
+        return value, []
+    if isinstance(value, dict):
+        value, violations = validator.check(value)
+    else:
+        violations = validator.violations(value)
+    return value, [str(v) for v in violations]
 
 
 def transcript(state: SessionState, turn: TurnState) -> list[Message]:
     """The conversation the model sees for `turn`: earlier planner turns of the session
-    (the message and the answer), then this turn's message, and each of its model steps
-    with the results of the calls it asked for."""
+    (the message and the answer), then this turn's message, and each of its chat steps
+    with the results of the calls it asked for (an emit_output call's result is its
+    verdict)."""
     out: list[Message] = []
     for other in state.turns.values():
         if other.turn_id == turn.turn_id:
@@ -165,14 +592,21 @@ def transcript(state: SessionState, turn: TurnState) -> list[Message]:
                 out.append(Message(role="assistant", text=other.text))
     assert turn.message is not None
     out.append(Message(role="user", text=turn.message))
+    verdicts = {v.call_id: v for v in turn.verdicts}
     for step in turn.steps:
+        if step.purpose != "chat":
+            continue
         out.append(Message(role="assistant", text=step.text, tool_calls=[
             ToolCall(id=c.id, name=c.name,
                      arguments=c.arguments if isinstance(c.arguments, dict) else {},
                      extra=c.extra) for c in step.tool_calls]))
         for c in step.tool_calls:
-            call = state.calls.get(c.call_id)
-            text, is_error = _result_text(call)
+            verdict = verdicts.get(c.call_id)
+            if verdict is not None:
+                text, is_error = (("the output was accepted", False) if verdict.ok
+                                  else (verdict.message, True))
+            else:
+                text, is_error = _result_text(state.calls.get(c.call_id))
             out.append(Message(role="tool", tool_call_id=c.id, name=c.name, text=text,
                                is_error=is_error))
     return out
@@ -198,6 +632,19 @@ def _result_text(call: CallState | None) -> tuple[str, bool]:
     return f"{error.error_type}: {error.message}", True
 
 
+def _as_sent(call: ToolCall) -> Any:
+    """The arguments as the model sent them. Text that is not JSON, or JSON that is not an
+    object, goes on as it is, for the approval actor to refuse (`invalid_arguments`) and
+    the model to read why; never as `{}`, which would run the tool with no arguments."""
+    raw = call.extra.get("invalid_arguments")
+    if not isinstance(raw, str):
+        return call.arguments
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw
+
+
 def tools_digest(specs: Sequence[ToolSpec]) -> str:
     names = ",".join(sorted(s.name for s in specs))
     return hashlib.sha256(names.encode()).hexdigest()[:16]
@@ -209,6 +656,7 @@ def tools_digest(specs: Sequence[ToolSpec]) -> str:
 class Planner:
     def __init__(self, bus: Bus, catalog: Catalog, settings: ModelSettings, *,
                  instructions: str | None = None,
+                 rules: Rules | None = None,
                  tools: Callable[[ToolSpec], bool] | None = None,
                  max_iterations: int = DEFAULT_MAX_ITERATIONS,
                  max_tokens: int | None = None,
@@ -219,7 +667,10 @@ class Planner:
         self._states = SessionStates(bus, self._kernel.log)
         self._catalog = catalog
         self._settings = settings
-        self._instructions = instructions
+        rules = rules or DEFAULT_RULES
+        if instructions is not None and instructions != rules.instructions:
+            rules = dataclasses.replace(rules, instructions=instructions)
+        self._rules = rules
         self._offered = tools or (lambda spec: True)
         self._max_iterations = max_iterations
         self._max_tokens = max_tokens
@@ -227,7 +678,8 @@ class Planner:
         self._clock = clock
         self._http: httpx.AsyncClient | None = None
         subjects = tuple(f"{EVENTS_PREFIX}.*.{t}" for t in (
-            "turn.requested", "model.requested", "model.responded", "call.succeeded",
+            "turn.requested", "model.requested", "model.responded", "policies.matched",
+            "turn.reevaluated", "output.emitted", "output.rejected", "call.succeeded",
             "call.failed", "call.rejected"))
         self._kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, "planner", subjects, ack_wait_s=ack_wait_s),
@@ -250,12 +702,11 @@ class Planner:
         if self._http is not None:
             await self._http.aclose()
 
-    def _tools(self) -> list[ToolSpec]:
-        return [s for s in self._catalog.all() if self._offered(s)]
-
-    def _offer(self, tools: Sequence[ToolSpec]) -> Offer:
+    def _offer(self) -> Offer:
+        specs = self._catalog.all()
         return Offer(provider=self._settings.provider, model=self._settings.model,
-                     tools=len(tools), tools_digest=tools_digest(tools))
+                     tools=tuple(s for s in specs if self._offered(s)),
+                     catalog={s.name: s for s in specs})
 
     def _reject(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         entry = self._states.peek(session_of(delivery.subject))
@@ -291,12 +742,11 @@ class Planner:
         await delivery.ack()
 
     async def _settle(self, entry: Entry) -> None:
-        tools = self._tools()
-        offer = self._offer(tools)
+        offer = self._offer()
 
         def due(state: SessionState) -> list[Append]:
             return decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
-                          max_tokens=self._max_tokens)
+                          max_tokens=self._max_tokens, rules=self._rules)
 
         if not await self._states.decide_and_write(entry, due, attempts=DECIDE_ATTEMPTS):
             log.warning("planner: session %s: gave up deciding after %d conflicts",
@@ -311,16 +761,41 @@ class Planner:
         if turn is None or turn.status != "running" or len(turn.steps) >= asked.iteration:
             return
         sid = state.session_id
-        tools = self._tools()
-        messages = transcript(state, turn)
-        base = len(turn.call_ids)
+        rules = self._rules
+        schema: dict[str, Any] | None = None
+        validator: Validator | None = None
+        tools: list[ToolSpec] = []
+        publish: _Deltas | None = None
+        if asked.purpose == "match":
+            system: str | None = match_prompt(rules)
+            messages = transcript(state, turn)
+            schema = match_schema(rules)
+            validator = Validator(schema)
+        elif asked.purpose == "think":
+            found = rules.step(asked.step or "")
+            if found is None:
+                await self._fail_turn(entry, turn, "internal", f"this planner has no think "
+                                      f"step {asked.step!r}: is its manifest the one that "
+                                      "started the turn?")
+                return
+            step, validator = found
+            system = think_prompt(rules, turn, step)
+            messages = think_messages(state, turn, step.id)
+            schema = step.output_schema
+        else:
+            system = system_prompt(rules, turn)
+            messages = transcript(state, turn)
+            tools = offered_tools(rules, self._offer(), turn)
+            publish = self._delta_publisher(sid, asked)
+        # Call ids number every call the model asked for in the turn, the planner's own
+        # (emit_output, never in `call_ids`) included, so none is given twice.
+        base = max(len(turn.call_ids), sum(len(s.tool_calls) for s in turn.steps))
         keep_alive = asyncio.create_task(self._keep_alive(delivery))
-        publish = self._delta_publisher(sid, asked)
         try:
             for attempt in range(1, _WHOLE_CALL_ATTEMPTS + 1):
                 try:
-                    reply = await complete(self._settings, system=self._instructions,
-                                           messages=messages, tools=tools,
+                    reply = await complete(self._settings, system=system, messages=messages,
+                                           tools=tools, response_schema=schema,
                                            on_delta=publish, client=self._http)
                     break
                 except ModelError as exc:
@@ -329,32 +804,44 @@ class Planner:
                     # The stream broke after some text: the call is made again whole,
                     # and watchers are told to drop what they showed of this iteration.
                     log.warning("planner: session %s: %s; asking again", sid, exc)
-                    await publish("", reset=True)
+                    if publish is not None:
+                        await publish("", reset=True)
         except ModelError as exc:
-            now = self._clock()
-            failed = TurnFailed(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
-                                request_id=turn.request_id, reason="model_error",
-                                message=clip(str(exc)), outcomes=turn_outcomes(state, turn))
-            await self._kernel.log.append(Append(failed, turn_ended_id(sid, turn.turn_id)))
+            await self._fail_turn(entry, turn, "model_error", str(exc))
             return
         finally:
             keep_alive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keep_alive
+        output: Any = None
+        violations: list[str] = []
+        calls: list[ModelToolCall] = []
+        if asked.purpose == "chat":
+            calls = [ModelToolCall(call_id=call_id_for(turn.turn_id, base + i), id=c.id,
+                                   name=c.name, arguments=_as_sent(c), extra=c.extra)
+                     for i, c in enumerate(reply.tool_calls)]
+        else:
+            output, violations = parse_structured(reply.text, validator)
         answer = ModelResponded(
             session_id=sid, at=self._clock(), actor=ACTOR, turn_id=turn.turn_id,
-            iteration=asked.iteration, text=reply.text,
-            tool_calls=[ModelToolCall(call_id=call_id_for(turn.turn_id, base + i), id=c.id,
-                                      name=c.name, arguments=c.arguments, extra=c.extra)
-                        for i, c in enumerate(reply.tool_calls)],
+            iteration=asked.iteration, text=reply.text, tool_calls=calls,
             finish_reason=reply.finish_reason, input_tokens=reply.usage.input_tokens,
             output_tokens=reply.usage.output_tokens, latency_ms=float(reply.latency_ms),
-            response_id=reply.response_id)
+            response_id=reply.response_id, purpose=asked.purpose, step=asked.step,
+            round=asked.round, output=output, violations=violations)
         result = await self._kernel.log.append(
             Append(answer, model_responded_id(sid, turn.turn_id, asked.iteration)))
         await self._states.catch_up(entry)
         if not result.duplicate and result.seq > entry.state.last_seq:
             self._states.fold(entry, result.seq, answer)
+
+    async def _fail_turn(self, entry: Entry, turn: TurnState, reason: str,
+                         message: str) -> None:
+        sid = entry.state.session_id
+        failed = TurnFailed(session_id=sid, at=self._clock(), actor=ACTOR,
+                            turn_id=turn.turn_id, request_id=turn.request_id, reason=reason,
+                            message=clip(message), outcomes=turn_outcomes(entry.state, turn))
+        await self._kernel.log.append(Append(failed, turn_ended_id(sid, turn.turn_id)))
 
     def _delta_publisher(self, sid: str, asked: ModelRequested) -> _Deltas:
         """Text deltas, live and not stored: `toolbus.live.<sid>.model.delta`; `reset`
@@ -377,4 +864,5 @@ class Planner:
                 await delivery.in_progress()
 
 
-__all__ = ["ACTOR", "Offer", "Planner", "decide", "transcript"]
+__all__ = ["ACTOR", "EMIT_OUTPUT", "REASON", "Offer", "Planner", "Rules", "decide",
+           "offered_tools", "system_prompt", "transcript"]

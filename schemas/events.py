@@ -78,9 +78,17 @@ class ModelToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     extra: dict[str, Any] = {}
 
 
+ModelPurpose = Literal["chat", "match", "think"]
+
+
 class ModelRequested(Event, frozen=True, tag="model.requested"):
     """The planner is calling the model for a turn. Never the history again: the turn's
-    events are it. The digests say what was offered."""
+    events are it. The digests say what was offered.
+
+    `purpose`: `chat`, the agent loop (the model answers or asks for calls); `match`, one
+    structured judgement of which `when:` policies apply, for reevaluation `round`;
+    `think`, the think step `step` (`built-in:reason`). Iterations count every purpose:
+    they number the turn's model round trips."""
 
     turn_id: str
     iteration: int
@@ -89,6 +97,9 @@ class ModelRequested(Event, frozen=True, tag="model.requested"):
     tools: int  # how many tools were offered
     tools_digest: str
     settings: dict[str, Any] = {}
+    purpose: ModelPurpose = "chat"
+    step: str | None = None  # the think step's id
+    round: int = 0  # the reevaluation round a `match` judges for
 
 
 class ModelResponded(Event, frozen=True, tag="model.responded"):
@@ -101,6 +112,62 @@ class ModelResponded(Event, frozen=True, tag="model.responded"):
     output_tokens: int = 0
     latency_ms: float = 0.0
     response_id: str | None = None
+    purpose: ModelPurpose = "chat"
+    step: str | None = None
+    round: int = 0
+    # A structured reply (`match`, `think`): the JSON it parsed to, and every way it
+    # breaks the schema asked for (none: the output counts).
+    output: Any = None
+    violations: list[str] = []
+
+
+class PoliciesMatched(Event, frozen=True, tag="policies.matched"):
+    """Which of the agent's behaviour policies apply in a turn: at its start (`round` 0)
+    and after each reevaluation (`round` n). `by_model` are the `when:` policies the
+    model judged to apply (its judgement is the `match` round trip at `model_iteration`);
+    the others in `matched` were judged locally (`when_state:`, or no condition).
+    `notes` say what was set aside (a `when_state` that raised, an id the model made up)."""
+
+    turn_id: str
+    round: int
+    matched: list[str]
+    by_model: list[str] = []
+    model_iteration: int | None = None
+    notes: list[str] = []
+
+
+class TurnReevaluated(Event, frozen=True, tag="turn.reevaluated"):
+    """Calls of model iteration `after_iteration` that change what the agent should do
+    succeeded (`trigger_call_ids`, of `tools`): the policies are decided again (round
+    `round`) and the turn goes on. `capped`: the turn had used its `limit` of
+    reevaluations, so nothing is decided again."""
+
+    turn_id: str
+    round: int
+    after_iteration: int
+    trigger_call_ids: list[str]
+    tools: list[str]
+    limit: int
+    capped: bool = False
+
+
+class OutputEmitted(Event, frozen=True, tag="output.emitted"):
+    """The model's `built-in:emit_output` call `call_id` matched the agent's
+    `output_schema`: `output` is the turn's result (it ends with `turn.completed`)."""
+
+    turn_id: str
+    call_id: str
+    output: Any
+
+
+class OutputRejected(Event, frozen=True, tag="output.rejected"):
+    """The model's `built-in:emit_output` call `call_id` broke the output schema:
+    `message` lists every violation and goes back to the model as the call's result."""
+
+    turn_id: str
+    call_id: str
+    message: str
+    violations: list[str] = []
 
 
 class CallRequested(Event, frozen=True, tag="call.requested"):
@@ -220,6 +287,7 @@ class TurnCompleted(Event, frozen=True, tag="turn.completed"):
     ok: bool
     outcomes: list[CallOutcome]
     text: str | None = None  # a planner turn's answer
+    output: Any = None  # a planner turn's structured result (`output.emitted`)
 
 
 class TurnFailed(Event, frozen=True, tag="turn.failed"):
@@ -242,6 +310,10 @@ AnyEvent = (
     TurnRequested
     | ModelRequested
     | ModelResponded
+    | PoliciesMatched
+    | TurnReevaluated
+    | OutputEmitted
+    | OutputRejected
     | CallRequested
     | CallRejected
     | CallApproved
@@ -302,9 +374,41 @@ def _as(principal: str | None) -> str:
 def summarize(event: Event) -> str:
     """One human line about an event, for timelines."""
     match event:
+        case ModelRequested() if event.purpose == "match":
+            return (f"turn {event.turn_id}: {event.provider}/{event.model}, iteration "
+                    f"{event.iteration}: which policies apply (round {event.round})")
+        case ModelRequested() if event.purpose == "think":
+            return (f"turn {event.turn_id}: {event.provider}/{event.model}, iteration "
+                    f"{event.iteration}: built-in:reason {event.step}")
         case ModelRequested():
             return (f"turn {event.turn_id}: {event.provider}/{event.model}, iteration "
                     f"{event.iteration}, {event.tools} tool(s) offered")
+        case ModelResponded() if event.purpose != "chat":
+            what = f"built-in:reason {event.step}" if event.purpose == "think" else \
+                f"policies round {event.round}"
+            out = _encoder.encode(event.output).decode()
+            bad = f"; {len(event.violations)} violation(s): {_clip('; '.join(event.violations))}" \
+                if event.violations else ""
+            return (f"turn {event.turn_id} iteration {event.iteration} ({what}): {_clip(out)}"
+                    f"{bad} [{event.input_tokens}+{event.output_tokens} tokens, "
+                    f"{event.latency_ms:.0f} ms]")
+        case PoliciesMatched():
+            which = ", ".join(event.matched) or "none"
+            notes = f" ({_clip('; '.join(event.notes))})" if event.notes else ""
+            return (f"turn {event.turn_id}: policies that apply (round {event.round}): "
+                    f"{which}{notes}")
+        case TurnReevaluated():
+            calls = ", ".join(f"{t} ({c})" for t, c in zip(event.tools, event.trigger_call_ids,
+                                                             strict=False))
+            if event.capped:
+                return (f"turn {event.turn_id}: after {calls}: not reevaluated, the limit of "
+                        f"{event.limit} per turn is used")
+            return f"turn {event.turn_id}: reevaluated (round {event.round}) after {calls}"
+        case OutputEmitted():
+            return (f"turn {event.turn_id}: output {event.call_id} "
+                    f"{_clip(_encoder.encode(event.output).decode())}")
+        case OutputRejected():
+            return f"turn {event.turn_id}: output {event.call_id} refused: {_clip(event.message)}"
         case ModelResponded():
             calls = ", ".join(f"{c.name} ({c.call_id})" for c in event.tool_calls)
             said = f" {_clip(event.text)!r}" if event.text else ""

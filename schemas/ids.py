@@ -106,6 +106,22 @@ def model_responded_id(session_id: str, turn_id: str, iteration: int) -> str:
     return f"{session_id}:{turn_id}:model:{iteration}:responded"
 
 
+def policies_matched_id(session_id: str, turn_id: str, round_: int) -> str:
+    """The policies are matched once per reevaluation round of a turn."""
+    return f"{session_id}:{turn_id}:policies:{round_}"
+
+
+def turn_reevaluated_id(session_id: str, turn_id: str, after_iteration: int) -> str:
+    """One reevaluation (or its refusal at the limit) per model iteration whose calls set
+    it off."""
+    return f"{session_id}:{turn_id}:reeval:{after_iteration}"
+
+
+def output_verdict_id(session_id: str, call_id: str) -> str:
+    """`output.emitted` and `output.rejected` share it: an emit_output call is judged once."""
+    return f"{session_id}:{call_id}:output"
+
+
 def dispatch_id(session_id: str, call_id: str) -> str:
     return f"{session_id}:{call_id}:dispatch"
 

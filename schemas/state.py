@@ -32,10 +32,14 @@ from schemas.events import (
     ModelRequested,
     ModelResponded,
     ModelToolCall,
+    OutputEmitted,
+    OutputRejected,
+    PoliciesMatched,
     RequestRejected,
     ResultRef,
     TurnCompleted,
     TurnFailed,
+    TurnReevaluated,
     TurnRequested,
     clip,
 )
@@ -110,13 +114,37 @@ class CallState(msgspec.Struct, kw_only=True, gc=False):
 
 
 class ModelStep(msgspec.Struct, kw_only=True, gc=False):
-    """One model round trip of a planner turn, as `model.responded` stored it."""
+    """One model round trip of a planner turn, as `model.responded` stored it: a `chat`
+    step of the agent loop, a `match` of the `when:` policies, or a `think` step."""
 
     iteration: int
     text: str
     tool_calls: list[ModelToolCall] = msgspec.field(default_factory=list)
     input_tokens: int = 0
     output_tokens: int = 0
+    purpose: str = "chat"
+    step: str | None = None
+    round: int = 0
+    output: Any = None
+    violations: list[str] = msgspec.field(default_factory=list)
+
+
+class Reevaluation(msgspec.Struct, kw_only=True, gc=False):
+    """A `turn.reevaluated`: after which model iteration, set off by which calls, and
+    whether the turn's limit had been reached (then nothing was decided again)."""
+
+    round: int
+    after_iteration: int
+    trigger_call_ids: list[str]
+    capped: bool = False
+
+
+class OutputVerdict(msgspec.Struct, kw_only=True, gc=False):
+    """What became of one `built-in:emit_output` call: emitted, or refused with why."""
+
+    call_id: str
+    ok: bool
+    message: str = ""
 
 
 class TurnState(msgspec.Struct, kw_only=True, gc=False):
@@ -133,6 +161,16 @@ class TurnState(msgspec.Struct, kw_only=True, gc=False):
     model_requested: int = 0
     steps: list[ModelStep] = msgspec.field(default_factory=list)
     text: str | None = None  # the answer the turn ended with
+    # Behaviour policies (seed 000): the round the latest `policies.matched` judged (-1:
+    # none yet), what applies, and the reevaluations (`round` counts those not capped).
+    matched_round: int = -1
+    policies: list[str] = msgspec.field(default_factory=list)
+    reevaluations: list[Reevaluation] = msgspec.field(default_factory=list)
+    round: int = 0
+    # `built-in:emit_output`: each call's verdict, and the output emitted (the result).
+    verdicts: list[OutputVerdict] = msgspec.field(default_factory=list)
+    output: Any = None
+    output_call_id: str | None = None
 
 
 class SessionState(msgspec.Struct, kw_only=True, gc=False):
@@ -145,11 +183,13 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
     rejected_requests: int = 0
     # The session's state object: results of calls made with `_outputPath` land here.
     data: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Think steps' outputs (`built-in:reason`), by step id; a later run replaces one.
+    step_outputs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 # Bumped whenever the shape of `SessionState` changes, so that older snapshots are
 # ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 4
+STATE_VERSION = 5
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -271,13 +311,44 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 turn.steps.append(ModelStep(
                     iteration=event.iteration, text=event.text,
                     tool_calls=list(event.tool_calls), input_tokens=event.input_tokens,
-                    output_tokens=event.output_tokens))
+                    output_tokens=event.output_tokens, purpose=event.purpose,
+                    step=event.step, round=event.round, output=event.output,
+                    violations=list(event.violations)))
+                if event.purpose == "think" and event.step is not None and \
+                        not event.violations:
+                    state.step_outputs[event.step] = event.output
+        case PoliciesMatched():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None and event.round > turn.matched_round:
+                turn.matched_round = event.round
+                turn.policies = list(event.matched)
+        case TurnReevaluated():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None and all(r.after_iteration != event.after_iteration
+                                        for r in turn.reevaluations):
+                turn.reevaluations.append(Reevaluation(
+                    round=event.round, after_iteration=event.after_iteration,
+                    trigger_call_ids=list(event.trigger_call_ids), capped=event.capped))
+                if not event.capped:
+                    turn.round = max(turn.round, event.round)
+        case OutputEmitted() | OutputRejected():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None and all(v.call_id != event.call_id for v in turn.verdicts):
+                ok = isinstance(event, OutputEmitted)
+                turn.verdicts.append(OutputVerdict(
+                    call_id=event.call_id, ok=ok,
+                    message="" if isinstance(event, OutputEmitted) else event.message))
+                if isinstance(event, OutputEmitted) and turn.output_call_id is None:
+                    turn.output = event.output
+                    turn.output_call_id = event.call_id
         case TurnCompleted() | TurnFailed():
             turn = state.turns.get(event.turn_id)
             if turn is not None and turn.status == "running":
                 turn.status = "completed" if isinstance(event, TurnCompleted) else "failed"
                 if isinstance(event, TurnCompleted):
                     turn.text = event.text
+                    if event.output is not None:
+                        turn.output = event.output
                 turn.finished_at = event.at
                 turn.ended_seq = seq
                 if event.turn_id in state.open_turns:

@@ -55,7 +55,6 @@ from schemas.ids import (
 )
 from schemas.state import fold
 from schemas.tools import pool_route
-from services.sample_mcp import wait_listening
 
 Op = Callable[[int], Awaitable[None]]
 
@@ -232,10 +231,11 @@ def _workers_args(workers: int | None) -> tuple[str, ...]:
 
 
 @contextlib.asynccontextmanager
-async def _system(nats_url: str | None, *up_args: str,
-                  fsync: str = "batch") -> AsyncIterator[str]:
+async def _system(nats_url: str | None, *up_args: str, fsync: str = "batch",
+                  env: dict[str, str] | None = None) -> AsyncIterator[str]:
     """A toolbus to measure: the given one, or an embedded server plus `toolbus up` in a
-    separate process (as users run it), torn down afterwards."""
+    separate process (as users run it, with `env` added to its environment), torn down
+    afterwards."""
     if nats_url:
         yield nats_url
         return
@@ -246,7 +246,7 @@ async def _system(nats_url: str | None, *up_args: str,
                 # The URL holds the actor's password: in the environment, not in argv.
                 [sys.executable, "-m", "services.cli", "up", *up_args],
                 stdout=subprocess.PIPE, stderr=errors, text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "NATS_URL": url},
+                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "NATS_URL": url},
             )
             try:
                 assert proc.stdout is not None
@@ -379,14 +379,35 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
 # --- MCP --------------------------------------------------------------------------------
 
 
+async def _until_listening(port: int, proc: subprocess.Popen[bytes], what: str, *,
+                           timeout: float = 20.0) -> None:
+    """Until the server started as `proc` accepts connections on `port` (bounded); an
+    early exit is an error, not a wait."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                if proc.poll() is not None:
+                    raise ConfigError(f"the {what} exited ({proc.returncode}) before "
+                                      f"listening on port {port}") from None
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            await writer.wait_closed()
+            return
+
+
 @contextlib.asynccontextmanager
-async def _sample_mcp_server() -> AsyncIterator[int]:
+async def _sample_server(module: str, what: str,
+                         env: dict[str, str] | None = None) -> AsyncIterator[int]:
+    """`python -m services.<module> --port PORT` on a free port, until it listens."""
     port = free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
-        [sys.executable, "-m", "services.sample_mcp", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [sys.executable, "-m", f"services.{module}", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     try:
-        await wait_listening(port, proc)
+        await _until_listening(port, proc, what)
         yield port
     finally:
         proc.terminate()
@@ -405,7 +426,8 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, fsync: str = "batch
 
     machine = _machine()
     args = {"car_id": "c1"}
-    async with _sample_mcp_server() as port, contextlib.AsyncExitStack() as stack:
+    async with _sample_server("sample_mcp", "sample MCP server") as port, \
+            contextlib.AsyncExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="toolbus-bench-mcp-"))
         manifest = Path(tmp, "manifest.yaml")
         manifest.write_text(  # noqa: ASYNC240 - once, before anything is measured
@@ -475,6 +497,166 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, fsync: str = "batch
           f"{report['ratio_p99']}x the direct p50. With {concurrency} in flight it runs "
           f"{report['throughput_ratio']:.0%} of the direct calls/s. Failures: {failures}; "
           f"load at end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
+    return 0 if failures == 0 else 1
+
+
+# --- agent ------------------------------------------------------------------------------
+
+AGENT_GOAL_OVERHEAD_MS = 2.0  # toolbus turn p50 - direct two round trips p50
+AGENT_GOAL_FLAT = 0.10  # late turns of one session at most 10% slower than its first (p50)
+
+
+def _growth_ms_per_100(lat: list[float]) -> float:
+    """How much later turns cost than earlier ones, per 100 turns: the Theil-Sen slope
+    (the median of the slopes between every two turns, of at most 300 evenly spread), which
+    a few slow turns on a noisy machine do not move as they move a 10-turn median."""
+    points = list(enumerate(lat))[::max(1, len(lat) // 300)]
+    slopes = [(b - a) / (j - i) for k, (i, a) in enumerate(points) for j, b in points[k + 1:]]
+    return statistics.median(slopes) * 100 * 1e3 if slopes else 0.0
+
+
+def _agent_manifest(port: int) -> str:
+    # No retries: a failed model call is a failed turn, counted, not a hidden second try.
+    return ("tools: {builtins: [echo]}\n"
+            "agent_config:\n"
+            "  instructions: Echo what the user says, then say what the tool answered.\n"
+            "  model:\n"
+            "    provider: openai\n"
+            "    model: sample\n"
+            f"    base_url: http://127.0.0.1:{port}/v1\n"
+            "    api_key: ${SAMPLE_LLM_KEY:-}\n"
+            "    max_retries: 0\n")
+
+
+async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
+                      json_out: bool = False, workers: int | None = None) -> int:
+    """A one-tool planner turn (model -> `built-in:echo` -> model -> answer) against the
+    sample model server (services/sample_llm.py), beside the same two model round trips
+    sent directly with httpx (the same bodies, captured by the server), in the same run:
+    `n` turns in fresh sessions, then `turns` turns in one session, whose history grows."""
+    import httpx  # only this benchmark talks to the model server itself
+
+    machine = _machine()
+    key = os.urandom(8).hex()
+    env = {"SAMPLE_LLM_KEY": key}
+    window = max(1, min(10, turns // 2))
+    async with _sample_server("sample_llm", "sample model server", env) as port, \
+            contextlib.AsyncExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="toolbus-bench-agent-"))
+        manifest = Path(tmp, "manifest.yaml")
+        manifest.write_text(_agent_manifest(port))  # noqa: ASYNC240 - once, before anything is measured
+        url = await stack.enter_async_context(
+            _system(None, "--manifest", str(manifest), *_workers_args(workers), fsync=fsync,
+                    env=env))
+        # One pooled client with keep-alive connections, as the planner keeps one.
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
+        bus = await connect(url, name="toolbus-bench")
+        stack.push_async_callback(bus.close)
+        responder = await connect(url, name="toolbus-bench-responder")
+        stack.push_async_callback(responder.close)
+        client = ToolbusClient(bus)
+        stack.push_async_callback(client.close)
+        run = os.urandom(3).hex()
+        base = f"http://127.0.0.1:{port}"
+        headers = {"content-type": "application/json", "authorization": f"Bearer {key}",
+                   "accept": "text/event-stream", "cache-control": "no-store"}
+        failures = 0
+
+        def turn_in(session: Callable[[int], str]) -> Op:
+            async def op(i: int) -> None:
+                nonlocal failures
+                end = await client.ask(session(i), f"say {i}", timeout=30)
+                failures += not (isinstance(end, TurnCompleted) and end.ok
+                                 and len(end.outcomes) == 1
+                                 and (end.text or "").startswith("The tool answered"))
+            return op
+
+        async def last_turn_bodies() -> list[bytes]:
+            """The two request bodies of the turn just ended, as the planner sent them."""
+            got = msgspec.json.decode((await http.get(f"{base}/requests")).content)[-2:]
+            roles = [b["messages"][-1]["role"] for b in got]
+            if roles != ["user", "tool"]:
+                raise RuntimeError(f"the sample model server last received requests ending "
+                                   f"with {roles}, not a user message then a tool result")
+            # Encoded as the planner encodes them (msgspec keeps the key order): the same bytes.
+            return [msgspec.json.encode(b) for b in got]
+
+        def direct(bodies: list[bytes]) -> Op:
+            async def op(i: int) -> None:
+                nonlocal failures
+                for body in bodies:
+                    r = await http.post(f"{base}/v1/chat/completions", content=body,
+                                        headers=headers)
+                    failures += r.status_code != 200 or not r.content.endswith(
+                        b"data: [DONE]\n\n")
+            return op
+
+        await measure("warm-up", turn_in(lambda i: f"agent-{run}-w{i}"), n=min(n, 50),
+                      concurrency=1)
+        first = await last_turn_bodies()
+        await measure("warm-up", direct(first), n=min(n, 50), concurrency=1)
+        floors = await _floors(bus, responder, n=n, concurrency=None)
+        d_fresh = await measure("direct httpx, 2 model round trips", direct(first), n=n,
+                                concurrency=1)
+        fresh = await measure("toolbus turn, fresh sessions",
+                              turn_in(lambda i: f"agent-{run}-f{i}"), n=n, concurrency=1)
+        lat = await _series(turn_in(lambda i: f"agent-{run}-long"), turns)
+        last = await last_turn_bodies()
+        d_late = await measure(f"direct httpx, bodies of turn {turns}", direct(last), n=n,
+                               concurrency=1)
+
+    early_span, late_span = f"1..{window}", f"{turns - window + 1}..{turns}"
+    early = _stats(f"one session, turns {early_span}", lat[:window],
+                   seconds=sum(lat[:window]), concurrency=1)
+    late = _stats(f"one session, turns {late_span}", lat[-window:],
+                  seconds=sum(lat[-window:]), concurrency=1)
+    fresh_line = Line(fresh).beside(d_fresh, *LATENCY).beside(floors.js, *LATENCY)
+    early_line = Line(early).beside(d_fresh, *LATENCY)
+    late_line = Line(late).beside(early, *LATENCY).beside(d_late, *LATENCY)
+    lines = [*_floor_lines(floors), Line(d_fresh), fresh_line, early_line, Line(d_late),
+             late_line]
+    overhead = fresh.p50_ms - d_fresh.p50_ms
+    flat = late_line.ratio("p50", early)
+    report: dict[str, Any] = {
+        "machine": machine, "fsync": fsync, "n": n, "turns": turns,
+        "rows": [_line_json(x) for x in lines],
+        "overhead_p50_ms": round(overhead, 3),
+        "overhead_p50_vs_js_publish": round(overhead / floors.js.p50_ms, 2),
+        "ratio_p50": round(fresh_line.ratio("p50", d_fresh), 2),
+        "ratio_p99": round(fresh_line.ratio("p99", d_fresh), 2),
+        "early_overhead_p50_ms": round(early.p50_ms - d_fresh.p50_ms, 3),
+        "late_overhead_p50_ms": round(late.p50_ms - d_late.p50_ms, 3),
+        "late_turns_p50_vs_early": round(flat, 2),
+        "growth_ms_per_100_turns": round(_growth_ms_per_100(lat), 3),
+        "goal": {"overhead_p50_ms": AGENT_GOAL_OVERHEAD_MS,
+                 "overhead_met": overhead <= AGENT_GOAL_OVERHEAD_MS,
+                 "flat_within": AGENT_GOAL_FLAT,
+                 "flat_met": flat <= 1 + AGENT_GOAL_FLAT},
+        "failures": failures,
+    }
+    _finish(report)
+    if json_out:
+        print(msgspec.json.encode(report).decode())
+        return 0 if failures == 0 else 1
+    goal = report["goal"]
+    print(_header("agent", machine, f"{_fsync_text(None, fsync)}; n {n} turns in fresh "
+                                    f"sessions, {turns} turns in one session"))
+    _print_lines(lines)
+    print(f"\na planner turn (model, built-in:echo, model, answer) costs {fresh.p50_ms:.2f} ms "
+          f"at p50, {report['ratio_p50']}x the same two model round trips sent directly "
+          f"({d_fresh.p50_ms:.2f} ms); its p99 is {report['ratio_p99']}x the direct p50. "
+          f"toolbus adds {report['overhead_p50_ms']} ms at p50 "
+          f"({report['overhead_p50_vs_js_publish']}x one raw JetStream publish+ack).")
+    print(f"one session: turns {late_span} p50 / turns {early_span} = "
+          f"{report['late_turns_p50_vs_early']}x (flat is 1.0x); toolbus adds "
+          f"{report['early_overhead_p50_ms']} ms early, {report['late_overhead_p50_ms']} ms "
+          f"late (beside the direct round trips with the same history); a turn costs "
+          f"{report['growth_ms_per_100_turns']} ms more per 100 turns of history (slope).")
+    print(f"goals: overhead p50 <= {AGENT_GOAL_OVERHEAD_MS:g} ms "
+          f"({'met' if goal['overhead_met'] else 'MISSED'}), late turns at most "
+          f"{AGENT_GOAL_FLAT:.0%} slower than early ({'met' if goal['flat_met'] else 'MISSED'}); "
+          f"failures: {failures}; load at end "
+          f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
     return 0 if failures == 0 else 1
 
 

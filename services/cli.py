@@ -225,15 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(p)
 
     p = sub.add_parser("bench", help="benchmarks beside their floor, measured in the same run")
-    p.add_argument("what", choices=["calls", "validation", "mcp", "replay"])
-    p.add_argument("--n", type=_positive_int, default=2000, help="calls per phase (default 2000)")
+    p.add_argument("what", choices=["calls", "validation", "mcp", "replay", "agent"])
+    p.add_argument("--n", type=_positive_int, default=2000,
+                   help="calls (agent: turns) per phase (default 2000)")
     p.add_argument("--concurrency", type=_positive_int, default=32,
                    help="calls in flight (default 32)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
-                   help="calls, mcp: start the measured `toolbus up` with --workers N "
+                   help="calls, mcp, agent: start the measured `toolbus up` with --workers N "
                         "(default: its own default, one process per core)")
-    p.add_argument("--turns", type=_positive_int, default=1000,
-                   help="calls: turns of the one long session (default 1000)")
+    p.add_argument("--turns", type=_positive_int, default=None,
+                   help="calls, agent: turns of the one long session (default 1000; agent: "
+                        "100)")
     p.add_argument("--events", type=_positive_int, default=10_000,
                    help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
@@ -296,10 +298,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from services.bench import bench_replay
                 return _run(bench_replay(args.nats, events=args.events, fsync=args.fsync,
                                          json_out=args.json))
+            case "bench" if args.what == "agent":
+                from services.bench import bench_agent
+                return _run(bench_agent(n=args.n, turns=args.turns or 100, fsync=args.fsync,
+                                        json_out=args.json, workers=args.workers))
             case "bench":
                 from services.bench import bench_calls
                 return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
-                                        turns=args.turns, fsync=args.fsync,
+                                        turns=args.turns or 1000, fsync=args.fsync,
                                         json_out=args.json, workers=args.workers))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)

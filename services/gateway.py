@@ -333,7 +333,11 @@ class ToolRequest(pydantic.BaseModel):
     request_id: str | None = pydantic.Field(
         None, description="the idempotency key: the same id again starts nothing new")
     agent: str | None = pydantic.Field(None, description="who asks (per-agent grants)")
-    calls: list[Call]
+    calls: list[Call] | None = pydantic.Field(
+        None, description="explicit tool calls; give these or `message`, not both")
+    message: str | None = pydantic.Field(
+        None, min_length=1, description="a turn the planner plays with the model "
+                                        "(needs agent_config.model); or `calls`")
 
 
 def _body(schema: str) -> dict[str, Any]:

@@ -173,7 +173,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
 async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
     """The planner of the manifest's `agent_config`, with its own view of the catalog."""
     from actors.llm.types import ModelSettings
-    from actors.planner import Planner
+    from actors.planner import Planner, Rules
 
     assert settings.manifest is not None and settings.manifest.agent_config.model is not None
     agent = settings.manifest.agent_config
@@ -185,7 +185,7 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
                           max_retries=m.max_retries)
     catalog = Catalog(bus)
     await catalog.start()
-    planner = Planner(bus, catalog, model, instructions=agent.instructions or None,
+    planner = Planner(bus, catalog, model, rules=Rules.of(agent),
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
                       ack_wait_s=settings.ack_wait_s)

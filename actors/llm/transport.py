@@ -29,6 +29,8 @@ ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving
 
 OnDelta = Callable[[str], Awaitable[None]]
 
+_DRAIN_EVENTS = 16  # events read past a stream's last one before giving up on reuse
+
 
 class StreamDecoder(Protocol):
     """Assembles one API's event stream into a reply. `feed` returns the text delta the
@@ -96,15 +98,21 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                     reply = req.parse(data)
             else:
                 decoder = req.stream()
+                after_end = 0
                 async with contextlib.aclosing(EventSource(response).aiter_sse()) as events:
                     async for sse in events:
+                        if decoder.ended:
+                            # Read on to the end of the body (a few bytes at most), so the
+                            # connection goes back to the pool instead of being closed.
+                            after_end += 1
+                            if after_end > _DRAIN_EVENTS:
+                                break
+                            continue
                         with _shape(req.provider):
                             delta = decoder.feed(sse.event, sse.data)
                         if delta and on_delta is not None:
                             delivered = True
                             await on_delta(delta)
-                        if decoder.ended:
-                            break
                 if not decoder.complete:
                     raise ModelError("unavailable", "the stream ended before its last event",
                                      provider=req.provider, retryable=True)

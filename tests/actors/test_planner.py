@@ -231,7 +231,7 @@ def test_the_token_limit_ends_a_turn() -> None:
                            tool_calls=[ModelToolCall(call_id="t-0", id="a", name="x:y",
                                                      arguments={})])], start=1):
         evolve(state, ev, seq)
-    offer = Offer(provider="openai", model="m", tools=0, tools_digest="")
+    offer = Offer(provider="openai", model="m")
     (ended,) = decide(state, offer, now=1.0, max_tokens=1000)
     assert isinstance(ended.event, TurnFailed) and ended.event.reason == "max_tokens"
     assert "1100 tokens" in ended.event.message

@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import pytest
 
@@ -122,6 +123,72 @@ def test_bench_replay_times_the_fold_and_the_cli_beside_their_floors() -> None:
     assert out.stdout.startswith("toolbus bench replay: load ") and " CPUs" in out.stdout
     assert "floor" in out.stdout and "ratio" in out.stdout
     assert "python -c pass (median" in out.stdout
+
+
+def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_sent_directly(
+) -> None:
+    report = _report("agent", "--n", "20", "--turns", "10")
+    _assert_machine(report)
+    assert report["failures"] == 0 and report["n"] == 20 and report["turns"] == 10
+    rows = report["rows"]
+    direct, turn = "direct httpx, 2 model round trips", "toolbus turn, fresh sessions"
+    late_direct = "direct httpx, bodies of turn 10"
+    early, late = "one session, turns 1..5", "one session, turns 6..10"
+    assert [r["name"] for r in rows] == [JS, RR, direct, turn, early, late_direct, late]
+    assert all(r["n"] == 20 for r in rows[:4]) and rows[4]["n"] == rows[6]["n"] == 5
+    assert _vs(rows[3]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
+                            ("p50", JS, "p50"), ("p99", JS, "p50")}
+    assert _vs(rows[4]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
+    assert _vs(rows[6]) == {("p50", early, "p50"), ("p99", early, "p50"),
+                            ("p50", late_direct, "p50"), ("p99", late_direct, "p50")}
+    assert set(report) >= {"overhead_p50_ms", "overhead_p50_vs_js_publish", "ratio_p50",
+                           "ratio_p99", "early_overhead_p50_ms", "late_overhead_p50_ms",
+                           "late_turns_p50_vs_early", "growth_ms_per_100_turns", "goal"}
+    assert set(report["goal"]) == {"overhead_p50_ms", "overhead_met", "flat_within",
+                                   "flat_met"}
+
+
+async def test_the_sample_model_server_calls_echo_for_a_user_message_then_answers_the_result(
+) -> None:
+    """What the agent benchmark relies on, through the planner's own provider layer:
+    streamed and not, with the key checked."""
+    from actors.llm import complete
+    from actors.llm.types import Message, ModelSettings
+    from actors.tools.builtins import BUILTINS
+    from schemas.errors import ModelError
+    from services.sample_llm import SampleModel, listen
+
+    server = await listen(SampleModel(api_key="k"))
+    port = server.sockets[0].getsockname()[1]
+    settings = ModelSettings(provider="openai", model="sample", api_key="k", max_retries=0,
+                             base_url=f"http://127.0.0.1:{port}/v1")
+    tools = [t.spec for t in BUILTINS]
+    deltas: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    try:
+        for stream in (None, on_delta):
+            asked = [Message(role="user", text="hi")]
+            first = await complete(settings, system="Be brief.", messages=asked, tools=tools,
+                                   on_delta=stream)
+            assert [(c.name, c.arguments) for c in first.tool_calls] == [
+                ("built-in:echo", {"text": "hi"})]
+            answered = [*asked, Message(role="assistant", tool_calls=first.tool_calls),
+                        Message(role="tool", tool_call_id=first.tool_calls[0].id,
+                                text='{"text": "hi"}')]
+            second = await complete(settings, system=None, messages=answered, tools=tools,
+                                    on_delta=stream)
+            assert second.text == 'The tool answered: {"text": "hi"}' and not second.tool_calls
+            assert second.finish_reason == "stop" and second.usage.output_tokens > 0
+        assert "".join(deltas) == second.text
+        wrong = msgspec.structs.replace(settings, api_key="nope")
+        with pytest.raises(ModelError, match="Incorrect API key"):
+            await complete(wrong, system=None, messages=asked, tools=tools)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 # --- the embedded server's options -------------------------------------------------------
