@@ -31,6 +31,9 @@ A turn of an agent with behaviour policies (seed 000), in order:
    matched policies' actions and the think outputs; the tools offered are the union of
    the matched policies' `tools` (and the reevaluation tools) when any names tools, else
    every tool the planner may offer; plus `built-in:emit_output` with an output schema.
+   With `mode: composed` the step asks for one JSON object valid against seed 001's
+   composed schema instead of native tool calls, and reads it back into the same
+   `model.responded` (actors/composed.py); an answer that breaks it is asked for again.
 4. When every call of a model iteration has ended and one of them, a success, is a global
    reevaluation tool or in an active policy's `reevaluate_after`: `turn.reevaluated`,
    then 1 and 2 again for the new round, and the loop goes on in the same turn. After
@@ -54,6 +57,7 @@ import httpx
 import jmespath
 import msgspec
 
+from actors.composed import composed_prompt, composed_schema, flatten, read_composed
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import complete
 from actors.llm.types import Message, ModelSettings, ToolCall
@@ -103,6 +107,8 @@ DEFAULT_MAX_REEVALUATIONS = 3
 DEFAULT_MAX_OUTPUT_RETRIES = 2
 EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
+# Model calls one delivery makes at most before it leaves the rest to the next one.
+_ANSWERS_PER_DELIVERY = 8
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
 
 
@@ -136,6 +142,8 @@ class Rules:
     max_reevaluations: int = DEFAULT_MAX_REEVALUATIONS
     # A think step's output that breaks its schema is asked for again this many times.
     max_output_retries: int = DEFAULT_MAX_OUTPUT_RETRIES
+    # native: the provider's function calling; composed: one JSON answer (actors/composed.py)
+    mode: str = "native"
     _conditions: dict[str, Any] = field(init=False, repr=False)
     _steps: dict[str, tuple[ThinkStep, Validator]] = field(init=False, repr=False)
     _emit: tuple[ToolSpec, Validator] | None = field(init=False, repr=False)
@@ -163,7 +171,8 @@ class Rules:
                    reevaluation_tools=frozenset(r.id for r in agent.context.reevaluation_tools),
                    think=tuple(agent.think), output_schema=agent.output_schema,
                    max_reevaluations=agent.limits.max_reevaluations,
-                   max_output_retries=agent.limits.max_argument_retries)
+                   max_output_retries=agent.limits.max_argument_retries,
+                   mode=agent.mode)
 
     @property
     def emit(self) -> ToolSpec | None:
@@ -202,6 +211,17 @@ class Rules:
 
 
 DEFAULT_RULES = Rules()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentProfile:
+    """How a turn of a named agent (`agent_config.agents`, the turn's `agent`) is
+    planned: its rules, its model, and which catalog tools it is offered
+    (actors/agent_tools.py builds them)."""
+
+    rules: Rules
+    settings: ModelSettings
+    tools: Callable[[ToolSpec], bool]
 
 
 def _truthy(value: Any) -> bool:
@@ -250,15 +270,18 @@ def state_document(state: SessionState) -> dict[str, Any]:
 
 def decide(state: SessionState, offer: Offer, *, now: float,
            max_iterations: int = DEFAULT_MAX_ITERATIONS,
-           max_tokens: int | None = None, rules: Rules = DEFAULT_RULES) -> list[Append]:
+           max_tokens: int | None = None, rules: Rules = DEFAULT_RULES,
+           agents: Mapping[str, tuple[Offer, Rules]] | None = None) -> list[Append]:
     """What is due in the session's planner turns: match the policies, run a think step,
     ask the model, request the calls it asked for, judge its output, reevaluate, or end
-    the turn."""
+    the turn. A turn of a named agent (`agents`, by the turn's `agent`) is planned with
+    that agent's offer and rules (actors/agent_tools.py)."""
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
         if turn.message is not None:
-            out += _due(state, turn, offer, rules, now=now, max_iterations=max_iterations,
+            o, r = (agents or {}).get(turn.agent or "", (offer, rules))
+            out += _due(state, turn, o, r, now=now, max_iterations=max_iterations,
                         max_tokens=max_tokens)
     return out
 
@@ -276,6 +299,8 @@ def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, no
     chat = [s for s in turn.steps if s.purpose == "chat"]
     if chat:
         last = chat[-1]
+        if last.violations:  # a composed answer that broke its schema
+            return _answer_again(state, turn, offer, rules, chat, now)
         if not last.tool_calls:
             return [_complete(state, turn, last.text, None, now)]
         waiting = _calls_due(state, turn, last, rules, now)
@@ -293,12 +318,35 @@ def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, no
     think = _think_due(state, turn, offer, rules, now)
     if think is not None:
         return think
+    refused = _argument_refusals(state, turn)
+    if refused is not None and refused[1] > rules.max_output_retries:
+        tool, times = refused
+        return [_fail(state, turn, "invalid_arguments",
+                      f"the model sent {tool} invalid arguments {times} times in this turn; "
+                      f"each time every violation went back to it (the limit is "
+                      f"{rules.max_output_retries} retries: agent_config.limits."
+                      "max_argument_retries)", now)]
     if len(chat) >= max_iterations:
         return [_fail(state, turn, "max_iterations",
                       f"the model asked for tools {len(chat)} times without answering; the "
                       f"limit is {max_iterations} iterations per turn", now)]
     tools = offered_tools(rules, offer, turn)
     return [_ask(sid, turn, offer, now, tools=tools)]
+
+
+def _argument_refusals(state: SessionState, turn: TurnState) -> tuple[str, int] | None:
+    """The tool whose calls this turn were refused most often for their arguments, and
+    how often (None if none was)."""
+    counts: dict[str, int] = {}
+    for call_id in turn.call_ids:
+        call = state.calls.get(call_id)
+        if call is not None and call.status == "rejected" and call.error is not None and \
+                call.error.error_type == "invalid_arguments":
+            counts[call.tool] = counts.get(call.tool, 0) + 1
+    if not counts:
+        return None
+    tool = max(counts, key=lambda t: counts[t])
+    return tool, counts[tool]
 
 
 def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rules,
@@ -344,6 +392,22 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
     if not all(state.calls[c.call_id].terminal for c in real):
         return []  # the calls are running (or waiting for a human)
     return None
+
+
+def _answer_again(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
+                  chat: list[ModelStep], now: float) -> list[Append]:
+    """After a composed answer that broke its schema: ask again, or end the turn when the
+    last `max_output_retries` + 1 answers all did."""
+    rejected = 0
+    for s in reversed(chat):
+        if not s.violations:
+            break
+        rejected += 1
+    if rejected > rules.max_output_retries:
+        return [_fail(state, turn, "invalid_composed_output",
+                      f"the model answered {rejected} times without matching the composed "
+                      f"schema; last: {'; '.join(chat[-1].violations)}", now)]
+    return [_ask(state.session_id, turn, offer, now, tools=offered_tools(rules, offer, turn))]
 
 
 def describe_output(violations: list[str]) -> str:
@@ -600,6 +664,9 @@ def transcript(state: SessionState, turn: TurnState) -> list[Message]:
             ToolCall(id=c.id, name=c.name,
                      arguments=c.arguments if isinstance(c.arguments, dict) else {},
                      extra=c.extra) for c in step.tool_calls]))
+        if step.violations:  # a composed answer that broke its schema
+            out.append(Message(role="user", text="That answer does not match the schema: "
+                               f"{'; '.join(step.violations)}. Answer again."))
         for c in step.tool_calls:
             verdict = verdicts.get(c.call_id)
             if verdict is not None:
@@ -658,6 +725,7 @@ class Planner:
                  instructions: str | None = None,
                  rules: Rules | None = None,
                  tools: Callable[[ToolSpec], bool] | None = None,
+                 agents: Mapping[str, AgentProfile] | None = None,
                  max_iterations: int = DEFAULT_MAX_ITERATIONS,
                  max_tokens: int | None = None,
                  ack_wait_s: float = ACK_WAIT_S * 10,
@@ -672,6 +740,7 @@ class Planner:
             rules = dataclasses.replace(rules, instructions=instructions)
         self._rules = rules
         self._offered = tools or (lambda spec: True)
+        self._agents = dict(agents or {})
         self._max_iterations = max_iterations
         self._max_tokens = max_tokens
         self._ack_wait_s = ack_wait_s
@@ -702,11 +771,20 @@ class Planner:
         if self._http is not None:
             await self._http.aclose()
 
-    def _offer(self) -> Offer:
+    def _offer(self, agent: str | None = None) -> Offer:
         specs = self._catalog.all()
-        return Offer(provider=self._settings.provider, model=self._settings.model,
-                     tools=tuple(s for s in specs if self._offered(s)),
+        profile = self._agents.get(agent or "")
+        settings, offered = ((self._settings, self._offered) if profile is None
+                             else (profile.settings, profile.tools))
+        return Offer(provider=settings.provider, model=settings.model,
+                     tools=tuple(s for s in specs if offered(s)),
                      catalog={s.name: s for s in specs})
+
+    def _profile(self, agent: str | None) -> tuple[Rules, ModelSettings]:
+        """The rules and model of a turn of `agent`: a named agent's, or the planner's."""
+        profile = self._agents.get(agent or "")
+        return (self._rules, self._settings) if profile is None else \
+            (profile.rules, profile.settings)
 
     def _reject(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         entry = self._states.peek(session_of(delivery.subject))
@@ -738,19 +816,33 @@ class Planner:
             event = stored.event
             if isinstance(event, ModelRequested):
                 await self._answer(entry, event, delivery)
-            await self._settle(entry)
+            await self._settle(entry, delivery)
         await delivery.ack()
 
-    async def _settle(self, entry: Entry) -> None:
+    async def _settle(self, entry: Entry, delivery: Delivery) -> None:
+        """Decide and write; a `model.requested` just written is answered at once, in
+        this handler (its own delivery, coming later, then finds it answered): one bus
+        hop less per model call. Killed meanwhile, that delivery asks again."""
         offer = self._offer()
+        agents = {name: (self._offer(name), p.rules) for name, p in self._agents.items()}
+        written: list[ModelRequested] = []
 
         def due(state: SessionState) -> list[Append]:
-            return decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
-                          max_tokens=self._max_tokens, rules=self._rules)
+            items = decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
+                           max_tokens=self._max_tokens, rules=self._rules, agents=agents)
+            written[:] = [i.event for i in items if isinstance(i.event, ModelRequested)]
+            return items
 
-        if not await self._states.decide_and_write(entry, due, attempts=DECIDE_ATTEMPTS):
-            log.warning("planner: session %s: gave up deciding after %d conflicts",
-                        entry.state.session_id, DECIDE_ATTEMPTS)
+        for _ in range(_ANSWERS_PER_DELIVERY):
+            written.clear()
+            if not await self._states.decide_and_write(entry, due, attempts=DECIDE_ATTEMPTS):
+                log.warning("planner: session %s: gave up deciding after %d conflicts",
+                            entry.state.session_id, DECIDE_ATTEMPTS)
+                return
+            if not written or not entry.is_caught_up:
+                return
+            for asked in written:
+                await self._answer(entry, asked, delivery)
 
     async def _answer(self, entry: Entry, asked: ModelRequested, delivery: Delivery) -> None:
         """Call the model for `asked`, unless it is answered (or its turn over) already,
@@ -761,7 +853,7 @@ class Planner:
         if turn is None or turn.status != "running" or len(turn.steps) >= asked.iteration:
             return
         sid = state.session_id
-        rules = self._rules
+        rules, settings = self._profile(turn.agent)
         schema: dict[str, Any] | None = None
         validator: Validator | None = None
         tools: list[ToolSpec] = []
@@ -785,8 +877,14 @@ class Planner:
         else:
             system = system_prompt(rules, turn)
             messages = transcript(state, turn)
-            tools = offered_tools(rules, self._offer(), turn)
+            tools = offered_tools(rules, self._offer(turn.agent), turn)
             publish = self._delta_publisher(sid, asked)
+            if rules.mode == "composed":
+                schema = composed_schema(tools, rules.output_schema, emit_output=EMIT_OUTPUT)
+                validator = Validator(schema)
+                system = composed_prompt(system, schema)
+                messages = flatten(messages)
+                tools, publish = [], None  # deltas would show raw JSON
         # Call ids number every call the model asked for in the turn, the planner's own
         # (emit_output, never in `call_ids`) included, so none is given twice.
         base = max(len(turn.call_ids), sum(len(s.tool_calls) for s in turn.steps))
@@ -794,7 +892,7 @@ class Planner:
         try:
             for attempt in range(1, _WHOLE_CALL_ATTEMPTS + 1):
                 try:
-                    reply = await complete(self._settings, system=system, messages=messages,
+                    reply = await complete(settings, system=system, messages=messages,
                                            tools=tools, response_schema=schema,
                                            on_delta=publish, client=self._http)
                     break
@@ -816,7 +914,14 @@ class Planner:
         output: Any = None
         violations: list[str] = []
         calls: list[ModelToolCall] = []
-        if asked.purpose == "chat":
+        text = reply.text
+        if asked.purpose == "chat" and rules.mode == "composed":
+            assert validator is not None
+            text, calls, violations = read_composed(
+                reply.text, validator, turn_id=turn.turn_id, base=base,
+                emit_output=EMIT_OUTPUT if rules.emit is not None else None,
+                wrapped=_wrapped(rules.output_schema))
+        elif asked.purpose == "chat":
             calls = [ModelToolCall(call_id=call_id_for(turn.turn_id, base + i), id=c.id,
                                    name=c.name, arguments=_as_sent(c), extra=c.extra)
                      for i, c in enumerate(reply.tool_calls)]
@@ -824,7 +929,7 @@ class Planner:
             output, violations = parse_structured(reply.text, validator)
         answer = ModelResponded(
             session_id=sid, at=self._clock(), actor=ACTOR, turn_id=turn.turn_id,
-            iteration=asked.iteration, text=reply.text, tool_calls=calls,
+            iteration=asked.iteration, text=text, tool_calls=calls,
             finish_reason=reply.finish_reason, input_tokens=reply.usage.input_tokens,
             output_tokens=reply.usage.output_tokens, latency_ms=float(reply.latency_ms),
             response_id=reply.response_id, purpose=asked.purpose, step=asked.step,

@@ -169,6 +169,8 @@ class ToolsSection(_Model):
     code: CodeConfig | None = None
     git: GitConfig | None = None
     web_search: WebSearchConfig | None = None
+    # Tools with a schema and no implementation: the planner's model runs them (seed 001).
+    latent: list[LatentToolConfig] = []
 
     @field_validator("http")
     @classmethod
@@ -440,6 +442,18 @@ def _jmespath(v: str) -> str:
     return v
 
 
+class LatentToolConfig(_Model):
+    """A latent tool (seed 001): declared with its parameters and `output_schema`, and no
+    implementation. The planner's process runs it as one structured model call whose
+    answer must match `output_schema` (actors/latent.py), so it is offered, approved and
+    dispatched as any tool, and stored with the executor `latent`."""
+
+    name: ToolName
+    description: str = ""
+    parameters: JsonSchema = {"type": "object", "properties": {}}
+    output_schema: JsonSchema
+
+
 class ModelConfig(_Model):
     """Which LLM the planner calls, and how."""
 
@@ -662,6 +676,9 @@ class Manifest(_Model):
             if pool not in declared:
                 raise ValueError(f"{where}: pool {pool!r} is not declared under pools "
                                  f"(declared: {', '.join(sorted(declared))})")
+        if t.latent and self.agent_config.model is None:
+            raise ValueError("tools.latent: a latent tool is run by the planner's model; set "
+                             "agent_config.model")
         return self
 
     # Defined after the other validators, so it wraps them: they see both lists as written

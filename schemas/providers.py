@@ -258,7 +258,8 @@ def compose_schema(specs: Iterable[ToolSpec], output: dict[str, Any] | None) -> 
             "description": s.description,
             "properties": props,
             "required": ["_tool", *params.get("required", [])],
-            "additionalProperties": False,
+            # Closed unless the tool says otherwise (`built-in:echo` takes any argument).
+            "additionalProperties": params.get("additionalProperties", False),
         })
     out_schema: dict[str, Any] = {"type": "null"}
     if output is not None:

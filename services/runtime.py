@@ -133,6 +133,8 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
                 served.setdefault(sid, set())
         elif "executors" not in kinds:  # `toolbus actor mcp` with nothing to do
             raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
+    if "planner" in kinds and settings.manifest is not None:  # latent tools run there
+        _add_served(served, [t.name for t in settings.manifest.tools.latent])
     if "executors" in kinds or "mcp" in kinds:
         try:
             check_tool_refs(settings, served, complete="executors" in kinds
@@ -172,6 +174,8 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
 
 async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
     """The planner of the manifest's `agent_config`, with its own view of the catalog."""
+    from actors.agent_tools import AgentExecutor, agent_profiles
+    from actors.latent import LatentExecutor, latent_spec
     from actors.llm.types import ModelSettings
     from actors.planner import Planner, Rules
 
@@ -186,26 +190,60 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
     catalog = Catalog(bus)
     await catalog.start()
     planner = Planner(bus, catalog, model, rules=Rules.of(agent),
+                      agents=agent_profiles(agent, default=model),
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
                       ack_wait_s=settings.ack_wait_s)
+    # The named agents' tools (`agent:<name>`) run here, beside the planner that plans
+    # their child turns; named apart from this process's other executors.
+    runner = AgentExecutor(bus, agent.agents,
+                           instance=f"{settings.instance or default_instance_name()}-agents",
+                           ack_wait_s=settings.ack_wait_s) if agent.agents else None
+    # Latent tools (`tools.latent:`) run here too, the planner's model as implementation;
+    # their calls are stored with the executor `latent`.
+    specs = [latent_spec(t.name, description=t.description, parameters=t.parameters,
+                         output=t.output_schema) for t in settings.manifest.tools.latent]
+    latent = LatentExecutor(bus, specs, model,
+                            max_output_retries=agent.limits.max_argument_retries,
+                            ack_wait_s=settings.ack_wait_s) if specs else None
     try:
         await planner.start()
+        if runner is not None:
+            await runner.start()
+        if latent is not None:
+            try:
+                await latent.start()
+            except BaseException:
+                if runner is not None:
+                    await runner.stop()
+                raise
     except BaseException:
+        await planner.stop()
         await catalog.stop()
         raise
-    return _PlannerWithCatalog(planner, catalog)
+    return _PlannerWithCatalog(planner, catalog, runner, latent)
 
 
 class _PlannerWithCatalog:
-    def __init__(self, planner: Any, catalog: Catalog) -> None:
+    def __init__(self, planner: Any, catalog: Catalog, runner: Any = None,
+                 latent: Any = None) -> None:
         self.planner = planner
         self.catalog = catalog
+        self.runner = runner  # the executor of `agent:<name>` (AgentExecutor), if any
+        self.latent = latent  # the executor of the latent tools (LatentExecutor), if any
 
     async def start(self) -> None:
         await self.planner.start()
+        if self.runner is not None:
+            await self.runner.start()
+        if self.latent is not None:
+            await self.latent.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self.latent is not None:
+            await self.latent.stop(grace)
+        if self.runner is not None:
+            await self.runner.stop(grace)
         await self.planner.stop(grace)
         await self.catalog.stop()
 

@@ -403,3 +403,13 @@ def test_a_message_without_a_planner_is_refused_clearly() -> None:
     both = b'{"message": "hi", "calls": [{"tool": "built-in:echo"}]}'
     with pytest.raises(Exception, match="not both"):
         parse_request(both)
+
+
+async def test_a_tool_given_invalid_arguments_again_and_again_ends_the_turn(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [(200, reply(calls=[(f"t{i}", "built-in__current_time", {"timezone": i})]))
+                    for i in range(5)]
+    end = await client.ask(sid, "What time is it?")
+    assert isinstance(end, TurnFailed) and end.reason == "invalid_arguments", end
+    assert "built-in:current_time invalid arguments 3 times" in end.message
+    assert len(model.received) == 3  # each refusal went back to the model, then it stopped

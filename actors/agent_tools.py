@@ -1,0 +1,211 @@
+"""Agents as tools: each named agent of `agent_config.agents` is the tool `agent:<name>`.
+
+Consumes: `call.dispatched` for `agent:*` (route `agents.agent`), through an executor
+(actors/executor.py) running in the planner's process, so the executor's rules hold:
+`call.started`, exactly one terminal event, in-progress acks while the child runs.
+Emits: through the executor, `call.succeeded` with `{"agent", "session", "answer"}` (the
+child's `text`, or its `output` when the agent has an output schema) or `call.failed`
+(`agent_failed`, `agent_rejected`, `agent_depth`), naming the child session.
+Effect: a request `{"message", "agent": <name>, "request_id": "<parent sid>:<call id>"}`
+on `toolbus.req.<child>`, then a wait for that turn's end. The child is a session of its
+own, `<name>--<depth>-<digest>`, derived from the parent session and the call id; the
+child's turn runs as the agent `<name>`, so the policy's grants and approvals for that
+agent apply to every call it makes, and the planner plans it with the agent's
+instructions, model and tool patterns (`AgentProfile`).
+Idempotency: the child session and request id are deterministic, so a redelivered
+dispatch (an executor that died mid-call) re-attaches to the same child turn: the
+session actor stores the request once and the client finds the turn's end. That is why
+the tool is marked idempotent: running it again never starts a second child turn.
+Replay: the parent's `call.succeeded` names the child session; `toolbus replay <child>`
+replays the child. Nesting is bounded (`MAX_AGENT_DEPTH`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from actors.executor import Executor
+from actors.llm.types import ModelSettings
+from actors.planner import AgentProfile, Rules
+from actors.tools import Resource, RunnableTool, ToolError
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from schemas.errors import BusTimeoutError
+from schemas.events import CallDispatched, Event, RequestRejected, TurnCompleted, TurnFailed
+from schemas.manifest import AGENT_TOOL_NAMESPACE, AgentConfig, AgentDef, ModelConfig
+from schemas.tools import Annotations, ToolSpec
+
+if TYPE_CHECKING:
+    from actors.executor import _KeepAlive
+
+AGENT_POOL: Final = "agents"
+AGENT_SOURCE: Final = "agent"
+# A child turn may wait for humans (approvals) inside it: the call waits that long too.
+AGENT_TIMEOUT_MS: Final = 1_800_000
+# Agents calling agents: the depth of nesting at which a call is refused.
+MAX_AGENT_DEPTH: Final = 4
+_CHILD = re.compile(r"--(\d+)-[0-9a-f]{20}$")
+
+# The dispatch being run, for the tool (a tool sees only its arguments otherwise).
+_dispatch: ContextVar[CallDispatched | None] = ContextVar("toolbus_agent_dispatch",
+                                                          default=None)
+
+
+def model_settings(m: ModelConfig) -> ModelSettings:
+    return ModelSettings(provider=m.provider, model=m.model, base_url=m.base_url,
+                         api_key=m.api_key, temperature=m.temperature,
+                         max_tokens=m.max_tokens, timeout_s=m.timeout_s,
+                         max_retries=m.max_retries)
+
+
+def offered_by(patterns: Iterable[str]) -> Callable[[ToolSpec], bool]:
+    """The catalog tools an agent's `tools` patterns name (none when it names none)."""
+    globs = tuple(patterns)
+    return lambda spec: any(fnmatch.fnmatchcase(spec.name, g) for g in globs)
+
+
+def agent_profiles(config: AgentConfig, *, default: ModelSettings | None = None
+                   ) -> dict[str, AgentProfile]:
+    """A profile per named agent; `model` defaults to `agent_config.model`."""
+    out: dict[str, AgentProfile] = {}
+    for name, agent in config.agents.items():
+        if agent.model is not None:
+            settings = model_settings(agent.model)
+        elif default is not None:
+            settings = default
+        else:
+            assert config.model is not None  # the manifest checks it
+            settings = model_settings(config.model)
+        rules = Rules(instructions=agent.instructions, output_schema=agent.output_schema,
+                      max_output_retries=config.limits.max_argument_retries,
+                      mode=config.mode)
+        out[name] = AgentProfile(rules=rules, settings=settings,
+                                 tools=offered_by(agent.tools))
+    return out
+
+
+def agent_tool_spec(name: str, agent: AgentDef) -> ToolSpec:
+    """`agent:<name>` as the catalog holds it. Not read-only (the child's calls may
+    write), but with no effect of its own: each call the child makes is judged by the
+    policy on its own, so the agent call itself runs without a human (`auto_approve`);
+    a policy's deny, allowlist and grants still apply to it."""
+    return ToolSpec(
+        name=f"{AGENT_TOOL_NAMESPACE}:{name}",
+        description=f"Ask the agent {name} to do something; it answers with its result. "
+                    f"The agent: {agent.instructions}",
+        parameters={"type": "object", "additionalProperties": False, "required": ["message"],
+                    "properties": {"message": {
+                        "type": "string", "minLength": 1,
+                        "description": "What to ask the agent, with everything it needs to "
+                                       "know: it does not see this conversation."}}},
+        annotations=Annotations(readOnlyHint=False, destructiveHint=False,
+                                idempotentHint=True, openWorldHint=False),
+        timeout_ms=AGENT_TIMEOUT_MS, source=AGENT_SOURCE, pools=[AGENT_POOL],
+        auto_approve=True, title=f"agent {name}")
+
+
+def depth_of(session_id: str) -> int:
+    """How deep in agent calls a session is: 0 for one a client started."""
+    m = _CHILD.search(session_id)
+    return int(m.group(1)) if m else 0
+
+
+def child_session_id(parent: str, call_id: str, agent: str) -> str:
+    """The child session of the call `call_id` of session `parent`: the same every time,
+    named for the agent, within the 128-character token rule."""
+    digest = hashlib.blake2b(f"{parent}/{call_id}".encode(), digest_size=10).hexdigest()
+    suffix = f"--{depth_of(parent) + 1}-{digest}"
+    return f"{agent[:128 - len(suffix)]}{suffix}"
+
+
+def child_request_id(parent: str, call_id: str) -> str:
+    """The child turn's request id: names the parent call it runs for."""
+    return f"{parent}:{call_id}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AgentTool:
+    """`agent:<name>`: one turn of the agent in its child session."""
+
+    spec: ToolSpec
+    agent: str
+    bus: Bus
+
+    @property
+    def injected(self) -> dict[str, Resource]:
+        return {}
+
+    def check_arguments(self, arguments: dict[str, Any]) -> None:
+        message = arguments.get("message")
+        if not isinstance(message, str) or not message.strip() or set(arguments) != {"message"}:
+            raise TypeError("takes one argument, message, a non-empty string")
+
+    async def run(self, arguments: dict[str, Any], resources: dict[Resource, Any] | None = None,
+                  *, progress: Callable[[], None] | None = None) -> Any:
+        d = _dispatch.get()
+        if d is None:
+            raise ToolError(f"{self.spec.name} runs only in the planner's agent executor",
+                            error_type="internal")
+        child = child_session_id(d.session_id, d.call_id, self.agent)
+        if depth_of(child) > MAX_AGENT_DEPTH:
+            raise ToolError(f"{self.spec.name}: agents already call agents {MAX_AGENT_DEPTH} "
+                            f"deep in session {d.session_id}; answer without it",
+                            error_type="agent_depth")
+        client = ToolbusClient(self.bus, max_watched_sessions=1)
+        timeout_s = (d.timeout_ms or self.spec.timeout_ms) / 1000
+        try:
+            # A little longer than the executor's own timeout, which ends the call first.
+            end: Event = await client.ask(child, arguments["message"], agent=self.agent,
+                                          request_id=child_request_id(d.session_id, d.call_id),
+                                          timeout=timeout_s + 5)
+        except BusTimeoutError as exc:
+            raise ToolError(f"agent {self.agent} (session {child}) did not answer: {exc}",
+                            error_type="timeout", retryable=True) from exc
+        finally:
+            await client.close()
+        return answer_of(self.agent, child, end)
+
+
+def answer_of(agent: str, child: str, end: Event) -> dict[str, Any]:
+    """The call's result from the child turn's end, or the `ToolError` it failed with."""
+    if isinstance(end, TurnCompleted):
+        return {"agent": agent, "session": child,
+                "answer": end.output if end.output is not None else end.text}
+    if isinstance(end, TurnFailed):
+        raise ToolError(f"agent {agent} failed ({end.reason}): {end.message} "
+                        f"[session {child}; `toolbus replay {child}`]",
+                        error_type="agent_failed")
+    if isinstance(end, RequestRejected):
+        raise ToolError(f"agent {agent} refused the request ({end.reason}): {end.message} "
+                        f"[session {child}]", error_type="agent_rejected")
+    raise ToolError(f"agent {agent}: unexpected end {type(end).__name__} [session {child}]",
+                    error_type="internal")
+
+
+class AgentExecutor(Executor):
+    """The executor of the `agent:*` tools, in the planner's process (pool `agents`)."""
+
+    def __init__(self, bus: Bus, agents: Mapping[str, AgentDef], *,
+                 instance: str | None = None, ack_wait_s: float | None = None) -> None:
+        tools: list[RunnableTool] = [AgentTool(agent_tool_spec(n, a), n, bus)
+                                     for n, a in agents.items()]
+        options: dict[str, Any] = {} if ack_wait_s is None else {"ack_wait_s": ack_wait_s}
+        super().__init__(bus, tools, instance=instance, pool=AGENT_POOL, **options)
+
+    async def _run(self, d: CallDispatched, tool: RunnableTool, keep_alive: _KeepAlive,
+                   attempt: int) -> Event:
+        token = _dispatch.set(d)
+        try:
+            return await super()._run(d, tool, keep_alive, attempt)
+        finally:
+            _dispatch.reset(token)
+
+
+__all__ = ["AGENT_POOL", "AgentExecutor", "AgentProfile", "AgentTool", "agent_profiles",
+           "agent_tool_spec", "child_session_id", "depth_of"]

@@ -1,0 +1,202 @@
+"""Agents as tools (issue 12 item 7): a named agent is the tool `agent:<name>`; calling it
+runs one turn of that agent in a child session, against the same real NATS and a real
+local model server speaking the OpenAI Chat Completions API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from actors.agent_tools import MAX_AGENT_DEPTH, child_session_id, depth_of
+from actors.planner import Offer, Rules, decide
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from bus.eventlog import EventLog
+from bus.subjects import approval_subject
+from schemas.events import Event, ModelRequested, TurnCompleted, TurnRequested
+from schemas.ids import call_id_for, is_token, turn_id_for
+from schemas.manifest import parse_manifest
+from schemas.state import SessionState, evolve
+from services.config import ActorSettings
+from services.runtime import start_planner
+from tests.actors.test_planner import ScriptedChat, reply
+from tests.conftest import REPO, EventWatch, assert_replay_equals_live, of_type
+
+WRITER = "You write things down, and say what you wrote."
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[ScriptedChat]:
+    server = await ScriptedChat().start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
+                  ) -> AsyncIterator[Any]:
+    """The planner as `toolbus up` starts it (services/runtime.py), with one named agent,
+    `writer`, whose tool `agent:writer` runs in the planner's process."""
+    manifest = parse_manifest(
+        "agent_config:\n"
+        "  model:\n"
+        "    provider: openai\n"
+        "    model: scripted\n"
+        f"    base_url: http://127.0.0.1:{model.port}/v1\n"
+        "    api_key: ${SCRIPTED_KEY}\n"
+        "    max_retries: 1\n"
+        "  instructions: Be brief.\n"
+        "  agents:\n"
+        "    writer:\n"
+        f"      instructions: {WRITER}\n"
+        "      tools: ['approvals:*']\n", env={"SCRIPTED_KEY": "k"})
+    actor = await start_planner(bus, ActorSettings(
+        manifest=manifest, instance=f"t-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))
+    await system["catalog"]._specs.wait_until(lambda items: "agent.writer" in items, 5)
+    yield actor
+    await actor.stop()
+
+
+def _child_of(sid: str, request_id: str, index: int = 0) -> tuple[str, str]:
+    call_id = call_id_for(turn_id_for(request_id), index)
+    return call_id, child_session_id(sid, call_id, "writer")
+
+
+async def test_an_agent_calls_another_agent_as_a_tool_in_a_child_session(
+        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str,
+        nats_url: str) -> None:
+    request_id = uuid.uuid4().hex
+    call_id, child = _child_of(sid, request_id)
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Write hi."})])),  # parent
+        (200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),         # child
+        (200, reply("Wrote hi.")),                                                 # child
+        (200, reply("The writer wrote hi.")),                                      # parent
+    ]
+    async with EventWatch(bus, child) as watch:
+        asking = asyncio.create_task(client.ask(sid, "Have hi written.",
+                                                request_id=request_id, timeout=60))
+        # Approvals apply inside the child: its write waits for a human.
+        events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")), 30)
+        waiting = of_type(events, "approval.requested")[0]
+        assert waiting.tool == "approvals:write"
+        decided = json.loads(await bus.request(
+            approval_subject(child, waiting.call_id, "tester"),
+            b'{"decision": "approve", "by": "ada"}', timeout=5))
+        assert decided["ok"], decided
+        end = await asyncio.wait_for(asking, 60)
+
+    assert isinstance(end, TurnCompleted) and end.text == "The writer wrote hi.", end
+    (outcome,) = end.outcomes
+    assert outcome.status == "succeeded"
+    assert outcome.result == {"agent": "writer", "session": child, "answer": "Wrote hi."}
+
+    # The child turn is the writer's: its instructions, its tools, its grants.
+    parent_first, child_first, child_second, parent_second = model.received
+    assert "agent__writer" in {t["function"]["name"] for t in parent_first["tools"]}
+    assert child_first["messages"][0] == {"role": "system", "content": WRITER}
+    assert child_first["messages"][1] == {"role": "user", "content": "Write hi."}
+    assert {t["function"]["name"] for t in child_first["tools"]} <= {
+        "approvals__write", "approvals__write_auto"}
+    assert json.loads(next(m for m in child_second["messages"]
+                           if m["role"] == "tool")["content"]) == {"wrote": "hi"}
+    assert json.loads(next(m for m in parent_second["messages"]
+                           if m["role"] == "tool")["content"])["answer"] == "Wrote hi."
+    child_events: list[Event] = [s.event for s in await EventLog(bus).read_session(child)
+                                 if s.event is not None]
+    (requested,) = [e for e in child_events if isinstance(e, TurnRequested)]
+    assert requested.agent == "writer" and requested.request_id == f"{sid}:{call_id}"
+    assert [e.agent for e in of_type(child_events, "call.requested")] == ["writer"]
+
+    # Replay equals live for the child too (the parent is checked by the fixture), and
+    # the parent's replay names the child, which replays on its own; no model is called.
+    await assert_replay_equals_live(bus, client, child)
+    before = len(model.received)
+    for session, expected in ((sid, child), (child, "Wrote hi.")):
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "replay", session,
+                             "--nats", nats_url], capture_output=True, text=True, timeout=60,
+            cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        assert expected in out.stdout
+    assert len(model.received) == before
+
+
+async def test_a_child_turn_that_fails_fails_the_call_naming_the_child(
+        client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str) -> None:
+    request_id = uuid.uuid4().hex
+    _, child = _child_of(sid, request_id)
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Write hi."})])),
+        (401, {"error": {"message": "Incorrect API key provided"}}),  # the child's model
+        (200, reply("The writer could not.")),
+    ]
+    end = await client.ask(sid, "Have hi written.", request_id=request_id, timeout=60)
+    assert isinstance(end, TurnCompleted) and end.text == "The writer could not.", end
+    (outcome,) = end.outcomes
+    assert outcome.status == "failed" and outcome.error is not None
+    assert outcome.error.error_type == "agent_failed"
+    assert "model_error" in outcome.error.message and child in outcome.error.message
+
+
+async def test_a_redelivered_agent_call_reattaches_to_the_same_child_turn(
+        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str) -> None:
+    from actors.agent_tools import AgentTool, _dispatch, agent_tool_spec
+    from schemas.events import CallDispatched
+    from schemas.manifest import AgentDef
+
+    request_id = uuid.uuid4().hex
+    _, child = _child_of(sid, request_id)
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Say hi."})])),
+        (200, reply("hi")),
+        (200, reply("The writer said hi.")),
+    ]
+    end = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
+    assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
+    asked = len(model.received)
+    # What an executor that died mid-call would do on the redelivery: run it again.
+    (dispatched,) = [s.event for s in await EventLog(bus).read_session(sid)
+                     if isinstance(s.event, CallDispatched)]
+    tool = AgentTool(agent_tool_spec("writer", AgentDef(instructions=WRITER)), "writer", bus)
+    token = _dispatch.set(dispatched)
+    try:
+        again = await tool.run({"message": "Say hi."})
+    finally:
+        _dispatch.reset(token)
+    assert again == {"agent": "writer", "session": child, "answer": "hi"}
+    assert len(model.received) == asked  # no second child turn, no model call
+    child_events = [s.event for s in await EventLog(bus).read_session(child)]
+    assert sum(isinstance(e, TurnRequested) for e in child_events) == 1
+
+
+def test_child_sessions_are_deterministic_tokens_and_count_their_depth() -> None:
+    parent = "s" * 128
+    child = child_session_id(parent, "t-0", "w" * 128)
+    assert is_token(child) and child == child_session_id(parent, "t-0", "w" * 128)
+    assert child != child_session_id(parent, "t-1", "w" * 128)
+    assert depth_of(parent) == 0 and depth_of(child) == 1
+    deep = parent
+    for _ in range(MAX_AGENT_DEPTH + 1):
+        deep = child_session_id(deep, "t-0", "writer")
+    assert depth_of(deep) == MAX_AGENT_DEPTH + 1
+
+
+def test_a_turn_of_a_named_agent_is_planned_with_its_model_and_rules() -> None:
+    state = SessionState(session_id="s")
+    evolve(state, TurnRequested(session_id="s", at=0, actor="session", turn_id="t",
+                                request_id="t", call_ids=[], message="hi", agent="writer"), 1)
+    offer = Offer(provider="openai", model="main")
+    writer = (Offer(provider="anthropic", model="small"), Rules(instructions=WRITER))
+    (asked,) = decide(state, offer, now=1.0, agents={"writer": writer})
+    assert isinstance(asked.event, ModelRequested)
+    assert (asked.event.provider, asked.event.model) == ("anthropic", "small")
+    (plain,) = decide(state, offer, now=1.0, agents={"other": writer})
+    assert isinstance(plain.event, ModelRequested) and plain.event.model == "main"
