@@ -655,6 +655,7 @@ def transcript(state: SessionState, turn: TurnState) -> list[Message]:
             if other.text:
                 out.append(Message(role="assistant", text=other.text))
     assert turn.message is not None
+    out += [Message(role=m.role, text=m.content) for m in turn.history]
     out.append(Message(role="user", text=turn.message))
     verdicts = {v.call_id: v for v in turn.verdicts}
     for step in turn.steps:

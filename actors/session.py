@@ -131,7 +131,7 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     agent = request.agent or default_agent
     out = [Append(TurnRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
                                 request_id=request_id, call_ids=call_ids, agent=agent,
-                                message=request.message),
+                                message=request.message, history=request.history),
                   turn_requested_id(sid, turn_id))]
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,

@@ -58,6 +58,13 @@ class CallOutcome(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     result_ref: ResultRef | None = None
 
 
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One earlier message of a conversation a client gives with its request."""
+
+    role: Literal["user", "assistant"]
+    content: str
+
+
 class TurnRequested(Event, frozen=True, tag="turn.requested"):
     turn_id: str
     request_id: str
@@ -65,6 +72,8 @@ class TurnRequested(Event, frozen=True, tag="turn.requested"):
     agent: str | None = None  # who asks: tool grants are per agent
     # A planner turn: the user's message; the model decides the calls (none given).
     message: str | None = None
+    # The conversation before `message`, when the client keeps it (`messages`).
+    history: list[ChatMessage] = []
 
 
 class ModelToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -24,6 +24,7 @@ import msgspec
 
 from schemas.defaults import MAX_CALLS_PER_REQUEST, MAX_JSON_DEPTH, MAX_REQUEST_BYTES
 from schemas.errors import InvalidRequestError
+from schemas.events import ChatMessage
 from schemas.ids import AUTO_REQUEST_PREFIX, is_token
 
 DEFAULT_MAX_REQUEST_BYTES: Final = MAX_REQUEST_BYTES
@@ -43,12 +44,14 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str | None
     calls: list[CallInput]
     agent: str | None = None
-    # A planner turn instead of explicit calls: what the user says to the agent.
+    # A planner turn instead of explicit calls: what the user says to the agent, and the
+    # conversation before it when the client keeps it (`messages`).
     message: str | None = None
+    history: list[ChatMessage] = []
 
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024
-_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent", "message"})
+_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent", "message", "messages"})
 META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance")
 _KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", *META_FIELDS})
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -99,6 +102,16 @@ def parse_request(
             "invalid_request",
             f"agent {agent!r} is not a valid name: use 1 to 128 characters from A-Z a-z 0-9 _ -",
         )
+    if "messages" in body:
+        if "message" in body or "calls" in body:
+            raise InvalidRequestError(
+                "invalid_request", "give calls, message or messages: only one of them")
+        said, history = _parse_messages(body["messages"])
+        if len(said.encode()) > MAX_MESSAGE_BYTES:
+            raise InvalidRequestError(
+                "payload_too_large", f"the last message is over {MAX_MESSAGE_BYTES} bytes")
+        return Request(request_id=request_id, calls=[], agent=agent, message=said,
+                       history=history)
     message = body.get("message")
     if message is not None:
         if "calls" in body:
@@ -133,6 +146,32 @@ def parse_request(
             )
         parsed.append(_parse_call(call, where))
     return Request(request_id=request_id, calls=parsed, agent=agent)
+
+
+def _parse_messages(value: Any) -> tuple[str, list[ChatMessage]]:
+    """`messages`: the conversation, oldest first, ending with the user's new message."""
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("invalid_request", "messages must be a non-empty list of "
+                                  '{"role": "user"|"assistant", "content": "..."}')
+    history: list[ChatMessage] = []
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict) or set(item) != {"role", "content"}:
+            raise InvalidRequestError("invalid_request", f"{where} must be an object with "
+                                      "exactly role and content")
+        role, content = item["role"], item["content"]
+        if role not in ("user", "assistant"):
+            raise InvalidRequestError("invalid_request", f"{where}.role must be user or "
+                                      f"assistant, got {_json_type(role)}")
+        if not isinstance(content, str) or not content.strip():
+            raise InvalidRequestError("invalid_request", f"{where}.content must be a "
+                                      "non-empty string")
+        history.append(ChatMessage(role=role, content=content))
+    last = history.pop()
+    if last.role != "user":
+        raise InvalidRequestError("invalid_request", "the last of messages must be the "
+                                  "user's (the turn answers it)")
+    return last.content, history
 
 
 def decode_json(data: bytes, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:

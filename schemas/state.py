@@ -27,6 +27,7 @@ from schemas.events import (
     CallRequested,
     CallStarted,
     CallSucceeded,
+    ChatMessage,
     ErrorInfo,
     Event,
     ModelRequested,
@@ -158,6 +159,7 @@ class TurnState(msgspec.Struct, kw_only=True, gc=False):
     ended_seq: int | None = None  # the stream sequence of turn.completed / turn.failed
     # A planner turn: the user's message, the model iterations asked for, and answered.
     message: str | None = None
+    history: list[ChatMessage] = msgspec.field(default_factory=list)
     model_requested: int = 0
     steps: list[ModelStep] = msgspec.field(default_factory=list)
     text: str | None = None  # the answer the turn ended with
@@ -189,7 +191,7 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 
 # Bumped whenever the shape of `SessionState` changes, so that older snapshots are
 # ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 5
+STATE_VERSION = 6
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -213,6 +215,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     agent=event.agent,
                     requested_at=event.at,
                     message=event.message,
+                    history=list(event.history),
                 )
                 state.open_turns.append(event.turn_id)
         case CallRequested():

@@ -338,6 +338,10 @@ class ToolRequest(pydantic.BaseModel):
     message: str | None = pydantic.Field(
         None, min_length=1, description="a turn the planner plays with the model "
                                         "(needs agent_config.model); or `calls`")
+    messages: list[dict[str, str]] | None = pydantic.Field(
+        None, description="instead of `message`: the conversation the client keeps, "
+                          "oldest first, each {role: user|assistant, content}, the last "
+                          "the user's")
 
 
 def _body(schema: str) -> dict[str, Any]:

@@ -263,9 +263,8 @@ async def test_text_deltas_are_published_live_and_not_stored(
 
 async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
-        sid: str) -> None:
-    from bus.subjects import approval_subject
-    from tests.conftest import EventWatch, of_type
+        sid: str, nats_url: str) -> None:
+    from tests.conftest import of_type
 
     settings = ModelSettings(provider="openai", model="scripted", api_key="k",
                              base_url=f"http://127.0.0.1:{model.port}/v1")
@@ -281,10 +280,13 @@ async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
             waiting = of_type(events, "approval.requested")[0]
             await asyncio.sleep(0.3)
             assert len(model.received) == 1  # nothing happens while a human is asked
-            decided = json.loads(await bus.request(
-                approval_subject(sid, waiting.call_id, "tester"),
-                b'{"decision": "approve", "by": "ada"}', timeout=5))
-            assert decided["ok"], decided
+            # Decided from another process, as a user does.
+            approved = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "services.cli", "approve",
+                                 waiting.call_id, "--session", sid, "--by", "ada",
+                                 "--nats", nats_url],
+                capture_output=True, text=True, timeout=60, cwd=REPO)
+            assert approved.returncode == 0, approved.stderr
             end = await asyncio.wait_for(asking, 30)
     finally:
         await p.stop()
@@ -413,3 +415,35 @@ async def test_a_tool_given_invalid_arguments_again_and_again_ends_the_turn(
     assert isinstance(end, TurnFailed) and end.reason == "invalid_arguments", end
     assert "built-in:current_time invalid arguments 3 times" in end.message
     assert len(model.received) == 3  # each refusal went back to the model, then it stopped
+
+
+async def test_messages_carry_the_conversation_the_client_keeps(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
+        bus: Bus) -> None:
+    from schemas.ids import turn_id_for
+
+    model.script = [(200, reply("Paris, still."))]
+    body = {"request_id": "m1", "messages": [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And now?"}]}
+    async with EventWatch(bus, sid) as watch:
+        await client.submit(sid, json.dumps(body).encode(), request_id="m1")
+        events = await watch.until(lambda evs: any(isinstance(e, TurnCompleted) for e in evs))
+    end = next(e for e in events if isinstance(e, TurnCompleted))
+    assert end.turn_id == turn_id_for("m1") and end.text == "Paris, still."
+    sent = [(m["role"], m["content"]) for m in model.received[0]["messages"]
+            if m["role"] != "system"]
+    assert sent == [("user", "Capital of France?"), ("assistant", "Paris."),
+                    ("user", "And now?")]
+
+
+def test_messages_must_end_with_the_users() -> None:
+    from schemas.errors import InvalidRequestError
+    from schemas.requests import parse_request
+
+    for bad in (b'{"messages": []}', b'{"messages": [{"role": "assistant", "content": "x"}]}',
+                b'{"messages": [{"role": "system", "content": "x"}]}',
+                b'{"messages": [{"role": "user", "content": "x"}], "message": "y"}'):
+        with pytest.raises(InvalidRequestError):
+            parse_request(bad)

@@ -304,7 +304,7 @@ async def test_openapi_json_documents_every_route_with_its_schemas(web: Web) -> 
     assert submit["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ToolRequest")
     assert set(schemas["ToolRequest"]["properties"]) == {"request_id", "agent", "calls",
-                                                         "message"}
+                                                         "message", "messages"}
     assert "_reasoningForCall" in schemas["Call"]["properties"]
     assert set(schemas["Accepted"]["properties"]) == {"ok", "request_id", "turn_id",
                                                       "duplicate"}
