@@ -267,10 +267,16 @@ class ApprovalActor:
         if known is None or known.status == "requested":
             decision = decide(call, self._tools, self._policy, now=self._clock(),
                               instances=self._catalog.instance_tools)
-            await self._log.append(Append(decision, policy_decision_id(call.session_id,
-                                                                       call.call_id)),
-                                   headers=outgoing_headers())
-            if isinstance(decision, ApprovalRequested):
+            result = await self._log.append(
+                Append(decision, policy_decision_id(call.session_id, call.call_id)),
+                headers=outgoing_headers())
+            if result.duplicate:
+                # A decision on this call was stored first (ours before a crash, or the
+                # planner refusing a tool it did not offer): list what the log says.
+                known = (await self._states.current(call.session_id)).state.calls.get(
+                    call.call_id)
+                pending = pending_of(known, call.session_id) if known is not None else None
+            elif isinstance(decision, ApprovalRequested):
                 pending = PendingApproval(
                     session_id=call.session_id, call_id=call.call_id, turn_id=call.turn_id,
                     tool=call.tool, arguments=decision.arguments, rule=decision.rule,

@@ -70,6 +70,7 @@ from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, LIVE_PREFIX, session_of
 from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
 from schemas.errors import ModelError
 from schemas.events import (
+    CallRejected,
     CallRequested,
     ModelPurpose,
     ModelRequested,
@@ -91,6 +92,7 @@ from schemas.ids import (
     model_responded_id,
     output_verdict_id,
     policies_matched_id,
+    policy_decision_id,
     turn_ended_id,
     turn_reevaluated_id,
 )
@@ -303,7 +305,8 @@ def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, no
             return _answer_again(state, turn, offer, rules, chat, now)
         if not last.tool_calls:
             return [_complete(state, turn, last.text, None, now)]
-        waiting = _calls_due(state, turn, last, rules, now)
+        offered = {t.name for t in offered_tools(rules, offer, turn)}
+        waiting = _calls_due(state, turn, last, rules, now, offered)
         if waiting is not None:
             return waiting
         if turn.output_call_id is not None:
@@ -350,9 +353,14 @@ def _argument_refusals(state: SessionState, turn: TurnState) -> tuple[str, int] 
 
 
 def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rules,
-               now: float) -> list[Append] | None:
+               now: float, offered: set[str] | None = None) -> list[Append] | None:
     """The model's calls of `last`: those not requested yet, the emit_output verdicts
-    not stored yet, or [] to wait for calls still running. None: all have ended."""
+    not stored yet, or [] to wait for calls still running. None: all have ended.
+
+    A call of a tool the model was not offered (outside the policies that apply, or the
+    agent's tools: a model can be talked into naming any tool) is stored refused by the
+    planner itself, under the id the approval actor's decision would take, so it never
+    runs; the model reads why."""
     sid = state.session_id
     out: list[Append] = []
     emits = [c for c in last.tool_calls if rules.emit is not None and c.name == EMIT_OUTPUT]
@@ -365,6 +373,15 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
                 tool=c.name, arguments=c.arguments, agent=turn.agent,
                 output_path=output_path_for(c.name) if c.name in writes else None),
                 call_requested_id(sid, c.call_id)))
+            if offered is not None and c.name not in offered:
+                listed = ", ".join(sorted(offered)[:40]) or "none"
+                out.append(Append(CallRejected(
+                    session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
+                    turn_id=turn.turn_id, tool=c.name, reason="tool_not_offered",
+                    rule="planner:offered",
+                    message=clip(f"{c.name} is not one of the tools offered to you in this "
+                                 f"turn; call one of: {listed}")),
+                    policy_decision_id(sid, c.call_id)))
     judged = {v.call_id for v in turn.verdicts}
     emitted = turn.output_call_id is not None
     for c in emits:
