@@ -358,6 +358,15 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
                          ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
 
 
+_CONTROL = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}
+
+
+def _printable(text: object) -> str:
+    """Model or tool text for the terminal without control characters: a prompt-injected
+    model must not drive the terminal with escape sequences."""
+    return str(text).translate(_CONTROL)
+
+
 async def _chat(url: str, args: argparse.Namespace) -> int:
     """One turn per message: the model's text as it streams, each tool call and its end
     as it happens (on stderr), then the answer."""
@@ -381,19 +390,22 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         if kind == "model.delta" and body.get("reset"):
             print("\n  (the model's stream broke: asking again)", file=sys.stderr, flush=True)
         elif kind == "model.delta":
-            sys.stdout.write(str(body.get("text", "")))
+            sys.stdout.write(_printable(body.get("text", "")))
             sys.stdout.flush()
             streamed[0] = True
         elif kind == "call.requested" and body.get("actor") == "planner":
             args_text = msgspec.json.encode(body.get("arguments")).decode()[:200]
-            print(f"\n  -> {body.get('tool')} {args_text}", file=sys.stderr, flush=True)
+            print(f"\n  -> {_printable(body.get('tool'))} {_printable(args_text)}",
+                  file=sys.stderr, flush=True)
         elif kind in ("call.succeeded", "call.failed", "call.rejected"):
             what = "ok" if kind == "call.succeeded" else \
                 f"{kind.split('.')[1]}: {str(body.get('message', ''))[:200]}"
-            print(f"  <- {body.get('call_id')} {what}", file=sys.stderr, flush=True)
+            print(f"  <- {_printable(body.get('call_id'))} {_printable(what)}",
+                  file=sys.stderr, flush=True)
         elif kind.startswith("approval.requested"):
-            print(f"  .. {body.get('tool')} waits for a human: toolbus approve "
-                  f"{body.get('call_id')} --session {session}", file=sys.stderr, flush=True)
+            print(f"  .. {_printable(body.get('tool'))} waits for a human: toolbus approve "
+                  f"{_printable(body.get('call_id'))} --session {session}", file=sys.stderr,
+                  flush=True)
 
     code = EXIT_OK
     try:
@@ -416,11 +428,11 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             end = await client.ask(session, text, agent=args.agent, timeout=args.timeout)
             if isinstance(end, TurnCompleted):
                 if not streamed[0] and end.text:
-                    sys.stdout.write(end.text)
+                    sys.stdout.write(_printable(end.text))
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             elif isinstance(end, TurnFailed):
-                print(f"\ntoolbus: the turn failed ({end.reason}): {end.message}",
+                print(f"\ntoolbus: the turn failed ({end.reason}): {_printable(end.message)}",
                       file=sys.stderr)
                 code = EXIT_CALL_FAILED
             else:

@@ -470,3 +470,15 @@ async def test_a_tool_the_model_was_not_offered_is_refused_and_never_runs(
     await asyncio.sleep(0.3)  # the approval actor has seen the call.requested by now
     from bus.approvals import ApprovalStore
     assert not [p for p in await ApprovalStore(bus).load() if p.session_id == sid]
+
+
+async def test_toolbus_chat_prints_no_control_characters_a_model_sends(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    model.script = [(200, reply("safe\x1b]0;owned\x07 text\x1b[2J\nline two"))]
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "hi", "--session", sid,
+                         "--nats", nats_url], capture_output=True, text=True, timeout=60,
+        cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    assert out.stdout == "safe]0;owned text[2J\nline two\n"
