@@ -22,7 +22,7 @@ from schemas.events import Event, TurnCompleted, TurnFailed
 from schemas.manifest import parse_manifest
 from schemas.policy import Policy, evaluate, risk_score
 from schemas.tools import Annotations, ToolSpec
-from tests.conftest import EventWatch, of_type, run_toolbus
+from tests.conftest import EventWatch, of_type, run_toolbus, settled_state
 
 
 async def _decision(bus: Bus, client: ToolbusClient, sid: str, tool: str,
@@ -105,7 +105,7 @@ async def test_a_request_without_an_agent_is_the_default_agent_and_its_events_sa
         bus, client, sid, nats_url) -> None:
     decision, out = await _decision(bus, client, sid, "built-in:echo")
     assert decision.rule == "auto:read_only" and out.status == "succeeded"  # default: *
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     turn = state.turns[state.calls[decision.call_id].turn_id]
     assert turn.agent == "default" and state.calls[decision.call_id].agent == "default"
     replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats", nats_url)
@@ -230,7 +230,7 @@ async def test_an_unanswered_approval_times_out_and_a_late_decision_is_refused(
     late = json.loads(await bus.request(approval_subject(sid, decision.call_id, "tester"),
                                         b'{"decision": "approve", "by": "ada"}', timeout=5))
     assert late["ok"] is False and late["error"].startswith("already decided: denied by toolbus")
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.calls[decision.call_id].decided_by == "toolbus"
 
 
@@ -244,7 +244,7 @@ async def test_the_cli_approves_from_another_process(bus, client, sid, nats_url)
     assert ok.returncode == 0, ok.stderr
     end = await task
     assert end.outcomes[0].result == {"wrote": "cli"}
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.calls[decision.call_id].decided_by == "carol"
 
 

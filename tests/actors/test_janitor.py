@@ -18,7 +18,7 @@ from bus.eventlog import EventLog
 from bus.streams import Backlog
 from schemas.events import CallDispatched, TurnCompleted
 from schemas.state import CallState
-from tests.conftest import EventWatch, of_type
+from tests.conftest import EventWatch, of_type, settled_state
 
 
 def _tools(ns: str, timeout_ms: int) -> list[LocalTool]:
@@ -76,7 +76,7 @@ async def test_racing_janitors_end_a_due_call_once_and_none_ends_it_early(
         await watch.until(lambda evs: bool(of_type(evs, "call.dispatched")))
         now = Janitor(bus, system["catalog"])
         await now.sweep()  # not due: its timeout has not passed
-        state = await client.live_state(sid)
+        state = await settled_state(bus, client, sid)
         assert [c.status for c in state.calls.values()] == ["dispatched"]
         later = [Janitor(bus, system["catalog"], clock=lambda: time.time() + 120)
                  for _ in range(3)]

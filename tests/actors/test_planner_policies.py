@@ -46,7 +46,7 @@ from schemas.events import (
 from schemas.manifest import AgentConfig
 from schemas.state import SessionState, encode_state, evolve, fold
 from tests.actors.test_planner import ScriptedChat, reply
-from tests.conftest import REPO, assert_replay_equals_live
+from tests.conftest import REPO, assert_replay_equals_live, settled_state
 
 # --- the CRM of seed 000's example --------------------------------------------------------
 
@@ -196,7 +196,7 @@ async def test_authentication_then_the_answer_in_one_turn_with_reevaluation(
                                              if isinstance(e, PoliciesMatched)][1]
     assert sum(isinstance(e, TurnRequested) for e in events) == 1
     # The authentication's result is in the state object `when_state` reads.
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.data["crm"]["authenticate_customer"]["authenticated"] is True
     assert state.turns[end.turn_id].policies == ["answer_account_questions"]
     await replay_calls_no_model(bus, client, model, sid)
@@ -373,7 +373,7 @@ async def test_a_think_step_is_a_structured_call_whose_output_lands_in_the_state
     thinks = [e for e in events if isinstance(e, ModelResponded) and e.purpose == "think"]
     assert [(e.step, e.output, bool(e.violations)) for e in thinks] == [
         ("intent", {"intent": "balanc"}, True), ("intent", {"intent": "balance"}, False)]
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.step_outputs == {"intent": {"intent": "balance"}}
     await replay_calls_no_model(bus, client, model, sid)
 
@@ -440,7 +440,7 @@ async def test_emit_output_refuses_an_invalid_output_with_every_violation_then_s
     assert emitted.output == end.output
     kinds = [type(e).__name__ for e in events]
     assert kinds.index("OutputEmitted") < kinds.index("TurnCompleted")
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.turns[end.turn_id].output == end.output
     await replay_calls_no_model(bus, client, model, sid)
 

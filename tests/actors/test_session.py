@@ -10,7 +10,7 @@ from bus.connection import Bus
 from bus.subjects import request_subject
 from schemas.events import CallSucceeded, RequestRejected, TurnCompleted, TurnFailed
 from schemas.ids import SYSTEM_SESSION
-from tests.conftest import EventWatch, assert_replay_equals_live, of_type
+from tests.conftest import EventWatch, assert_replay_equals_live, of_type, settled_state
 
 
 async def test_an_explicit_call_runs_and_the_turn_carries_its_result(
@@ -41,7 +41,7 @@ async def test_a_turn_with_several_calls_completes_with_every_outcome_in_order(
     assert [o.status for o in end.outcomes] == ["succeeded", "failed", "succeeded", "succeeded"]
     assert end.outcomes[1].error is not None and end.outcomes[1].error.message == "kaput"
     assert "+01:00" in end.outcomes[2].result["time"] or "+02:00" in end.outcomes[2].result["time"]
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.calls[end.outcomes[3].call_id].reasoning == "to check"
     await assert_replay_equals_live(bus, client, sid)
 

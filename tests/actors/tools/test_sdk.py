@@ -19,7 +19,7 @@ from bus.subjects import approval_subject
 from schemas.errors import ConfigError, ToolConflictError
 from schemas.events import TurnCompleted, TurnFailed
 from schemas.tools import ToolSpec
-from tests.conftest import TESTS, EventWatch, of_type
+from tests.conftest import TESTS, EventWatch, of_type, settled_state
 
 
 def _sdk() -> dict[str, Any]:
@@ -142,7 +142,7 @@ async def test_instance_targets_one_named_executor(
         for _ in range(3):
             out = await _call(client, sid, "testing:sleep", {"seconds": 0}, _instance="twin-b")
             assert out.status == "succeeded"
-        state = await client.live_state(sid)
+        state = await settled_state(bus, client, sid)
         assert {c.executor for c in state.calls.values()} == {"twin-b"}
         gone = await _call(client, sid, "testing:sleep", {"seconds": 0}, _instance="nobody")
         assert gone.error.error_type == "unknown_instance"
@@ -157,7 +157,7 @@ async def test_output_path_writes_the_result_into_the_session_state(
     await _call(client, sid, "built-in:echo", {"name": "Ada"}, _outputPath="customer.profile",
                 _reasoningForCall="remember who we talk to")
     await _call(client, sid, "built-in:echo", {"n": 1}, _outputPath="customer.visits")
-    state = await client.live_state(sid)
+    state = await settled_state(bus, client, sid)
     assert state.data == {"customer": {"profile": {"name": "Ada"}, "visits": {"n": 1}}}
     call = next(c for c in state.calls.values() if c.output_path == "customer.profile")
     assert call.reasoning == "remember who we talk to"
