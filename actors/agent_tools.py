@@ -26,23 +26,25 @@ import fnmatch
 import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from actors.executor import Executor
+from actors.executor import Executor, current_dispatch
 from actors.llm.types import ModelSettings
 from actors.planner import AgentProfile, Rules
 from actors.tools import Resource, RunnableTool, ToolError
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from schemas.errors import BusTimeoutError
-from schemas.events import CallDispatched, Event, RequestRejected, TurnCompleted, TurnFailed
+from schemas.events import (
+    Event,
+    RequestRejected,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+)
 from schemas.manifest import AGENT_TOOL_NAMESPACE, AgentConfig, AgentDef, ModelConfig
 from schemas.tools import Annotations, ToolSpec
-
-if TYPE_CHECKING:
-    from actors.executor import _KeepAlive
 
 AGENT_POOL: Final = "agents"
 AGENT_SOURCE: Final = "agent"
@@ -53,8 +55,6 @@ MAX_AGENT_DEPTH: Final = 4
 _CHILD = re.compile(r"--(\d+)-[0-9a-f]{20}$")
 
 # The dispatch being run, for the tool (a tool sees only its arguments otherwise).
-_dispatch: ContextVar[CallDispatched | None] = ContextVar("toolbus_agent_dispatch",
-                                                          default=None)
 
 
 def model_settings(m: ModelConfig) -> ModelSettings:
@@ -84,7 +84,7 @@ def agent_profiles(config: AgentConfig, *, default: ModelSettings | None = None
             settings = model_settings(config.model)
         rules = Rules(instructions=agent.instructions, output_schema=agent.output_schema,
                       max_output_retries=config.limits.max_argument_retries,
-                      mode=config.mode)
+                      mode=agent.mode or config.mode)
         out[name] = AgentProfile(rules=rules, settings=settings,
                                  tools=offered_by(agent.tools))
     return out
@@ -148,7 +148,7 @@ class AgentTool:
 
     async def run(self, arguments: dict[str, Any], resources: dict[Resource, Any] | None = None,
                   *, progress: Callable[[], None] | None = None) -> Any:
-        d = _dispatch.get()
+        d = current_dispatch.get()
         if d is None:
             raise ToolError(f"{self.spec.name} runs only in the planner's agent executor",
                             error_type="internal")
@@ -181,6 +181,9 @@ def answer_of(agent: str, child: str, end: Event) -> dict[str, Any]:
         raise ToolError(f"agent {agent} failed ({end.reason}): {end.message} "
                         f"[session {child}; `toolbus replay {child}`]",
                         error_type="agent_failed")
+    if isinstance(end, TurnCancelled):
+        raise ToolError(f"agent {agent}'s turn was cancelled ({end.reason}): {end.message} "
+                        f"[session {child}]", error_type="agent_cancelled")
     if isinstance(end, RequestRejected):
         raise ToolError(f"agent {agent} refused the request ({end.reason}): {end.message} "
                         f"[session {child}]", error_type="agent_rejected")
@@ -198,13 +201,6 @@ class AgentExecutor(Executor):
         options: dict[str, Any] = {} if ack_wait_s is None else {"ack_wait_s": ack_wait_s}
         super().__init__(bus, tools, instance=instance, pool=AGENT_POOL, **options)
 
-    async def _run(self, d: CallDispatched, tool: RunnableTool, keep_alive: _KeepAlive,
-                   attempt: int) -> Event:
-        token = _dispatch.set(d)
-        try:
-            return await super()._run(d, tool, keep_alive, attempt)
-        finally:
-            _dispatch.reset(token)
 
 
 __all__ = ["AGENT_POOL", "AgentExecutor", "AgentProfile", "AgentTool", "agent_profiles",

@@ -164,6 +164,9 @@ def decide_human(call: CallState | None, body: HumanDecision, *, session_id: str
                                     "for approval (unknown, or decided by the policy alone)")
     if call.human_decision is not None:
         raise RpcError("conflict", _already(call), decision=call.human_decision)
+    if call.terminal:
+        why = f": {call.error.message}" if call.error is not None else ""
+        raise RpcError("conflict", f"the call already ended ({call.status}){why}")
     if now >= call.approval_expires_at:
         raise RpcError("conflict", "already decided: the approval timed out")
     if body.decision == "approve":
@@ -330,7 +333,10 @@ class ApprovalActor:
                                       '"note": "...", "reason": "..."}') from exc
         call = (await self._states.current(sid)).state.calls.get(call_id)
         now = self._clock()
-        if call is not None and call.human_decision is None and \
+        if call is not None and call.terminal and call.human_decision is None:
+            # Ended without a human (its turn was cancelled): nothing waits any more.
+            await self._store.delete(sid, call_id)
+        elif call is not None and call.human_decision is None and \
                 call.approval_expires_at is not None and now >= call.approval_expires_at:
             call = await self._store_decision(expire(call, sid, now=now))
         event = decide_human(call, body, session_id=sid, call_id=call_id, now=now,
@@ -351,7 +357,7 @@ class ApprovalActor:
                     call = (await self._states.current(item.session_id)).state.calls.get(
                         item.call_id)
                     if call is not None and call.human_decision is None and \
-                            call.approval_expires_at is not None:
+                            call.approval_expires_at is not None and not call.terminal:
                         await self._store_decision(expire(call, item.session_id, now=now))
                     else:
                         await self._store.delete(item.session_id, item.call_id)

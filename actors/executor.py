@@ -26,6 +26,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -84,6 +85,11 @@ def default_instance_name(pool: str | None = None) -> str:
 # overwrite each other's presence and split each other's named calls.
 _RUNNING: dict[str, Executor] = {}
 
+
+# The dispatch of the call a tool is running, for the few tools that act on their
+# caller's session: agents as tools (actors/agent_tools.py), the context tools.
+current_dispatch: ContextVar[CallDispatched | None] = ContextVar("toolbus_dispatch",
+                                                                 default=None)
 
 class Executor:
     def __init__(
@@ -314,6 +320,7 @@ class Executor:
             return self._failed(d, "invalid_arguments", f"{d.tool}: {exc}")
         t0 = time.perf_counter()
         self.runs += 1
+        token = current_dispatch.set(d)
         try:
             async with asyncio.timeout(timeout_s):
                 result: Any = await tool.run(d.arguments, self._resources.values,
@@ -327,6 +334,8 @@ class Executor:
         except Exception as exc:
             return self._failed(d, type(exc).__name__, str(exc) or repr(exc),
                                 duration_ms=_ms(t0))
+        finally:
+            current_dispatch.reset(token)
         validator = self._output_validator(tool)
         if validator is not None:
             violations = validator.violations(result)

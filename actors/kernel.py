@@ -143,6 +143,14 @@ class Kernel:
 
     async def _deliver(self, inbox: Inbox, delivery: Delivery) -> None:
         _parent.set(delivery.headers)
+        if delivery.num_delivered > 2 * self._max_deliveries:
+            # Delivered again and again without an ack or an error: whoever handled it
+            # died each time (it may kill the process). Stored as rejected, not retried.
+            await self._reject(inbox, delivery, "redelivered", _clip(
+                f"the {self.actor} actor received this message {delivery.num_delivered} "
+                "times without finishing it (its process may have died on it each time); "
+                "it is not handled again"))
+            return
         try:
             if trace.enabled():
                 with trace.span(f"{self.actor} {inbox.consumer.durable}", kind="consumer",

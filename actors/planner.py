@@ -1,8 +1,11 @@
 """Planner actor: the agent loop, event-sourced.
 
 Consumes: `turn.requested`, `model.requested`, `model.responded`, `policies.matched`,
-`turn.reevaluated`, `output.emitted`, `output.rejected` and the calls' terminal events
-(`call.succeeded`, `call.failed`, `call.rejected`), one session at a time.
+`turn.reevaluated`, `output.emitted`, `output.rejected`, the calls' terminal events
+(`call.succeeded`, `call.failed`, `call.rejected`), `result.compressed` (what the model
+reads of a large result: it waits for those due), `tool_event.injected` (seen from the
+next turn on: a turn reads the history as of its `turn.requested`) and `turn.cancelled`,
+one session at a time.
 Emits: `model.requested` (concurrency-checked, like every decision), `model.responded`
 (a fact: the model's answer), `call.requested` for the calls the model asked for (the
 approval and session actors take them from there, as for explicit calls), the agent
@@ -46,8 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +62,9 @@ import httpx
 import jmespath
 import msgspec
 
+from actors import compress
 from actors.composed import composed_prompt, composed_schema, flatten, read_composed
+from actors.compressor import Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import complete
 from actors.llm.types import Message, ModelSettings, ToolCall
@@ -68,7 +75,7 @@ from bus.eventlog import Append, decode_stored
 from bus.streams import ConsumerSpec
 from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, LIVE_PREFIX, session_of
 from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
-from schemas.errors import ModelError
+from schemas.errors import ConcurrencyError, ModelError
 from schemas.events import (
     CallRejected,
     CallRequested,
@@ -79,6 +86,7 @@ from schemas.events import (
     OutputEmitted,
     OutputRejected,
     PoliciesMatched,
+    ThinkRequest,
     TurnCompleted,
     TurnFailed,
     TurnReevaluated,
@@ -97,7 +105,15 @@ from schemas.ids import (
     turn_reevaluated_id,
 )
 from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
-from schemas.state import CallState, ModelStep, SessionState, TurnState, turn_outcomes
+from schemas.requests import MAX_TRANSFORM_CHARS
+from schemas.state import (
+    CallState,
+    InjectedToolEvent,
+    ModelStep,
+    SessionState,
+    TurnState,
+    turn_outcomes,
+)
 from schemas.tools import ToolSpec
 from schemas.validation import Validator
 
@@ -111,6 +127,7 @@ EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
 # Model calls one delivery makes at most before it leaves the rest to the next one.
 _ANSWERS_PER_DELIVERY = 8
+_NO_COMPRESSION = Compression()  # the defaults, when no compressor runs
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
 
 
@@ -273,23 +290,27 @@ def state_document(state: SessionState) -> dict[str, Any]:
 def decide(state: SessionState, offer: Offer, *, now: float,
            max_iterations: int = DEFAULT_MAX_ITERATIONS,
            max_tokens: int | None = None, rules: Rules = DEFAULT_RULES,
-           agents: Mapping[str, tuple[Offer, Rules]] | None = None) -> list[Append]:
+           agents: Mapping[str, tuple[Offer, Rules]] | None = None,
+           compression: Compression | None = None) -> list[Append]:
     """What is due in the session's planner turns: match the policies, run a think step,
     ask the model, request the calls it asked for, judge its output, reevaluate, or end
     the turn. A turn of a named agent (`agents`, by the turn's `agent`) is planned with
-    that agent's offer and rules (actors/agent_tools.py)."""
+    that agent's offer and rules (actors/agent_tools.py). With `compression` (a compressor
+    runs), the model is asked again only once each result over its budget, or made with
+    `_transform`, has its `result.compressed`."""
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
         if turn.message is not None:
             o, r = (agents or {}).get(turn.agent or "", (offer, rules))
             out += _due(state, turn, o, r, now=now, max_iterations=max_iterations,
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, compression=compression)
     return out
 
 
 def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, now: float,
-         max_iterations: int, max_tokens: int | None) -> list[Append]:
+         max_iterations: int, max_tokens: int | None,
+         compression: Compression | None = None) -> list[Append]:
     sid = state.session_id
     if turn.model_requested > len(turn.steps):
         return []  # the model is being asked
@@ -306,7 +327,7 @@ def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, no
         if not last.tool_calls:
             return [_complete(state, turn, last.text, None, now)]
         offered = {t.name for t in offered_tools(rules, offer, turn)}
-        waiting = _calls_due(state, turn, last, rules, now, offered)
+        waiting = _calls_due(state, turn, last, rules, now, offered, compression)
         if waiting is not None:
             return waiting
         if turn.output_call_id is not None:
@@ -353,7 +374,8 @@ def _argument_refusals(state: SessionState, turn: TurnState) -> tuple[str, int] 
 
 
 def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rules,
-               now: float, offered: set[str] | None = None) -> list[Append] | None:
+               now: float, offered: set[str] | None = None,
+               compression: Compression | None = None) -> list[Append] | None:
     """The model's calls of `last`: those not requested yet, the emit_output verdicts
     not stored yet, or [] to wait for calls still running. None: all have ended.
 
@@ -368,9 +390,10 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
     writes = rules.output_tools()
     for c in real:
         if c.call_id not in state.calls:
+            arguments, transform = split_transform(c.arguments)
             out.append(Append(CallRequested(
                 session_id=sid, at=now, actor=ACTOR, call_id=c.call_id, turn_id=turn.turn_id,
-                tool=c.name, arguments=c.arguments, agent=turn.agent,
+                tool=c.name, arguments=arguments, agent=turn.agent, transform=transform,
                 output_path=output_path_for(c.name) if c.name in writes else None),
                 call_requested_id(sid, c.call_id)))
             if offered is not None and c.name not in offered:
@@ -408,7 +431,20 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
         return out
     if not all(state.calls[c.call_id].terminal for c in real):
         return []  # the calls are running (or waiting for a human)
+    if compression is not None and any(
+            view_due(state, state.calls[c.call_id], compression) for c in real):
+        return []  # the compressor is writing what the model reads of a result
     return None
+
+
+def split_transform(arguments: Any) -> tuple[Any, str | None]:
+    """The arguments without `_transform`, and the JMESPath expression it held (seed 003:
+    the model narrows a result before reading it)."""
+    if isinstance(arguments, dict) and isinstance(arguments.get("_transform"), str) and \
+            arguments["_transform"].strip():
+        rest = {k: v for k, v in arguments.items() if k != "_transform"}
+        return rest, arguments["_transform"][:MAX_TRANSFORM_CHARS]
+    return arguments, None
 
 
 def _answer_again(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
@@ -509,7 +545,9 @@ def _think_due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
     """The next think step of the turn without a valid output: the agent's, then those of
     the policies that apply. A step whose outputs kept breaking its schema ends the
     turn."""
-    due = [*rules.think, *(p.think for p in active_policies(rules, turn) if p.think)]
+    due: list[ThinkStep | ThinkRequest] = [
+        *rules.think, *(p.think for p in active_policies(rules, turn) if p.think),
+        *turn.think]
     for step in due:
         tries = [s for s in turn.steps if s.purpose == "think" and s.step == step.id]
         if tries and not tries[-1].violations:
@@ -618,7 +656,21 @@ def match_prompt(rules: Rules) -> str:
             "of the policies whose condition holds (an empty list when none does).")
 
 
-def think_prompt(rules: Rules, turn: TurnState, step: ThinkStep) -> str:
+def _request_step(turn: TurnState, step_id: str | None
+                  ) -> tuple[ThinkRequest, Validator] | None:
+    """A think step the turn's request gave, with its schema compiled."""
+    for step in turn.think:
+        if step.id == step_id:
+            return step, _validator(_encode(step.output_schema))
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema: bytes) -> Validator:
+    return Validator(msgspec.json.decode(schema))
+
+
+def think_prompt(rules: Rules, turn: TurnState, step: ThinkStep | ThinkRequest) -> str:
     base = system_prompt(rules, turn)
     schema = _encode(step.output_schema).decode()
     return ((f"{base}\n\n" if base else "")
@@ -626,10 +678,11 @@ def think_prompt(rules: Rules, turn: TurnState, step: ThinkStep) -> str:
             f"Answer with one JSON value that matches this JSON Schema: {schema}")
 
 
-def think_messages(state: SessionState, turn: TurnState, step_id: str) -> list[Message]:
+def think_messages(state: SessionState, turn: TurnState, step_id: str,
+                   compression: Compression | None = None) -> list[Message]:
     """The conversation, then each earlier answer to this step that broke its schema,
     with the violations, so the next answer can fix them all."""
-    out = transcript(state, turn)
+    out = transcript(state, turn, compression)
     for s in turn.steps:
         if s.purpose == "think" and s.step == step_id and s.violations:
             out.append(Message(role="assistant", text=s.text))
@@ -658,22 +711,36 @@ def parse_structured(text: str, validator: Validator | None) -> tuple[Any, list[
     return value, [str(v) for v in violations]
 
 
-def transcript(state: SessionState, turn: TurnState) -> list[Message]:
+def transcript(state: SessionState, turn: TurnState,
+               compression: Compression | None = None) -> list[Message]:
     """The conversation the model sees for `turn`: earlier planner turns of the session
     (the message and the answer), then this turn's message, and each of its chat steps
     with the results of the calls it asked for (an emit_output call's result is its
     verdict)."""
     out: list[Message] = []
-    for other in state.turns.values():
-        if other.turn_id == turn.turn_id:
-            break
-        if other.message is not None and other.status == "completed":
-            out.append(Message(role="user", text=other.message))
-            if other.text:
-                out.append(Message(role="assistant", text=other.text))
+    # What came before the turn started, in the order stored: earlier turns, and tool
+    # events injected until then (one injected later is seen from the next turn on).
+    before: list[tuple[int, TurnState | InjectedToolEvent]] = [
+        (other.seq, other) for other in state.turns.values() if other.seq < turn.seq]
+    if state.tool_events:
+        before += [(e.seq, e) for e in state.tool_events if e.seq < turn.seq]
+        before.sort(key=lambda item: item[0])
+    for _, item in before:
+        if isinstance(item, InjectedToolEvent):
+            budget, items = (compression or _NO_COMPRESSION).settings(turn.agent,
+                                                                      item.tool_id)
+            out += injected_messages(item, budget=budget, items=items)
+        elif item.message is not None and item.status in ("completed", "cancelled"):
+            # A cancelled turn's question stays (the event that superseded it follows);
+            # its partial work does not.
+            if item.message:
+                out.append(Message(role="user", text=item.message))
+            if item.text:
+                out.append(Message(role="assistant", text=item.text))
     assert turn.message is not None
     out += [Message(role=m.role, text=m.content) for m in turn.history]
-    out.append(Message(role="user", text=turn.message))
+    if turn.message:  # a turn a tool event started has none: the event is the news
+        out.append(Message(role="user", text=turn.message))
     verdicts = {v.call_id: v for v in turn.verdicts}
     for step in turn.steps:
         if step.purpose != "chat":
@@ -700,12 +767,36 @@ def transcript(state: SessionState, turn: TurnState) -> list[Message]:
 _encode = msgspec.json.Encoder().encode
 
 
+def injected_messages(event: InjectedToolEvent, *, budget: int = compress.DEFAULT_BUDGET,
+                      items: int = compress.DEFAULT_ITEMS) -> list[Message]:
+    """An injected tool event as the model reads it: a call of `tool_id` (in a name every
+    API takes) and its result; over the budget, a preview under the event's id, which
+    `built-in:recall` takes as a key."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", event.tool_id.replace(":", "__"))[:64]
+    if event.result_ref is not None:
+        ref = event.result_ref
+        begins = ref.preview[:max(budget - 200, 100)]
+        text = (f"[STORED: {event.event_id} | {event.tool_id}]\nA result of {ref.size:,} "
+                f"bytes; it begins: {begins}\nUse recall(\"{event.event_id}\") to read it")
+    else:
+        text = compress.result_text(event.result)
+        if len(text) > budget:
+            text = compress.preview(event.result, key=event.event_id, tool=event.tool_id,
+                                    budget=budget, items=items)
+    arguments = event.arguments if isinstance(event.arguments, dict) else {}
+    return [Message(role="assistant", text="", tool_calls=[
+                ToolCall(id=event.event_id, name=name, arguments=arguments)]),
+            Message(role="tool", tool_call_id=event.event_id, name=name, text=text)]
+
+
 def _result_text(call: CallState | None) -> tuple[str, bool]:
     """What the model reads of a call's end: the result as JSON, or every word of why it
     failed (a rejection lists each argument violation, so the model can fix them)."""
     if call is None:
         return "the call was not recorded", True
     if call.status == "succeeded":
+        if call.view is not None:  # compressed or transformed (actors/compressor.py)
+            return call.view, False
         if call.result_ref is not None:
             ref = call.result_ref
             return (f"(a result of {ref.size} bytes, stored as {ref.key}; it begins: "
@@ -746,6 +837,7 @@ class Planner:
                  agents: Mapping[str, AgentProfile] | None = None,
                  max_iterations: int = DEFAULT_MAX_ITERATIONS,
                  max_tokens: int | None = None,
+                 compression: Compression | None = None,
                  ack_wait_s: float = ACK_WAIT_S * 10,
                  clock: Callable[[], float] = time.time) -> None:
         self._bus = bus
@@ -761,13 +853,15 @@ class Planner:
         self._agents = dict(agents or {})
         self._max_iterations = max_iterations
         self._max_tokens = max_tokens
+        self._compression = compression
         self._ack_wait_s = ack_wait_s
         self._clock = clock
         self._http: httpx.AsyncClient | None = None
         subjects = tuple(f"{EVENTS_PREFIX}.*.{t}" for t in (
             "turn.requested", "model.requested", "model.responded", "policies.matched",
             "turn.reevaluated", "output.emitted", "output.rejected", "call.succeeded",
-            "call.failed", "call.rejected"))
+            "call.failed", "call.rejected", "result.compressed", "turn.cancelled",
+            "tool_event.injected.*"))
         self._kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, "planner", subjects, ack_wait_s=ack_wait_s),
             self._on_event, self._reject, max_in_flight=256))
@@ -847,7 +941,8 @@ class Planner:
 
         def due(state: SessionState) -> list[Append]:
             items = decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
-                           max_tokens=self._max_tokens, rules=self._rules, agents=agents)
+                           max_tokens=self._max_tokens, rules=self._rules, agents=agents,
+                           compression=self._compression)
             written[:] = [i.event for i in items if isinstance(i.event, ModelRequested)]
             return items
 
@@ -878,11 +973,11 @@ class Planner:
         publish: _Deltas | None = None
         if asked.purpose == "match":
             system: str | None = match_prompt(rules)
-            messages = transcript(state, turn)
+            messages = transcript(state, turn, self._compression)
             schema = match_schema(rules)
             validator = Validator(schema)
         elif asked.purpose == "think":
-            found = rules.step(asked.step or "")
+            found = rules.step(asked.step or "") or _request_step(turn, asked.step)
             if found is None:
                 await self._fail_turn(entry, turn, "internal", f"this planner has no think "
                                       f"step {asked.step!r}: is its manifest the one that "
@@ -890,11 +985,11 @@ class Planner:
                 return
             step, validator = found
             system = think_prompt(rules, turn, step)
-            messages = think_messages(state, turn, step.id)
+            messages = think_messages(state, turn, step.id, self._compression)
             schema = step.output_schema
         else:
             system = system_prompt(rules, turn)
-            messages = transcript(state, turn)
+            messages = transcript(state, turn, self._compression)
             tools = offered_tools(rules, self._offer(turn.agent), turn)
             publish = self._delta_publisher(sid, asked)
             if rules.mode == "composed":
@@ -952,11 +1047,17 @@ class Planner:
             output_tokens=reply.usage.output_tokens, latency_ms=float(reply.latency_ms),
             response_id=reply.response_id, purpose=asked.purpose, step=asked.step,
             round=asked.round, output=output, violations=violations)
-        result = await self._kernel.log.append(
-            Append(answer, model_responded_id(sid, turn.turn_id, asked.iteration)))
-        await self._states.catch_up(entry)
-        if not result.duplicate and result.seq > entry.state.last_seq:
-            self._states.fold(entry, result.seq, answer)
+        item = Append(answer, model_responded_id(sid, turn.turn_id, asked.iteration))
+        try:
+            # Checked, so that it is folded now only if nothing was stored meanwhile (a
+            # tool event injected during the model call must not be skipped over).
+            await self._states.write(entry, [item])
+        except ConcurrencyError:
+            result = await self._kernel.log.append(item)
+            # Folded when delivered, after whatever came before it.
+            entry.written_upto = max(entry.written_upto, result.seq)
+            if not entry.is_caught_up:
+                entry.caught_up.clear()
 
     async def _fail_turn(self, entry: Entry, turn: TurnState, reason: str,
                          message: str) -> None:

@@ -1,11 +1,14 @@
 """Session actor.
 
-Consumes: requests on `toolbus.req.<sid>` (work queue) and every event of every session
-(`toolbus.evt.>`), one session at a time, in stream order.
+Consumes: requests on `toolbus.req.<sid>` (work queue), tool events injected on
+`toolbus.req.<sid>.tool_events`, and every event of every session (`toolbus.events.>`),
+one session at a time, in stream order.
 Emits: `turn.requested`, `call.requested`; `call.dispatched` for calls the approval actor
 approved (or a human granted), under the parallel policy: at most `max_parallel` calls of
 a turn at once, and calls with side effects alone and in order; `call.failed` for denied
-calls; `turn.completed` / `turn.failed`; `request.rejected`.
+calls; `turn.completed` / `turn.failed`; `request.rejected`; `tool_event.injected` (with
+`trigger_processing`, also `turn.cancelled` for the planner turn in flight, `call.failed`
+`cancelled` for its calls not dispatched yet, and the turn it starts).
 Idempotency: every event has a deterministic message id from `schemas/ids.py`, derived
 from the session, the turn or call id and the fact (a denied call's failure shares the
 call's terminal id with the executor's outcomes).
@@ -35,6 +38,7 @@ from typing import Protocol
 import msgspec
 
 from actors.kernel import Entry, Inbox, Kernel, PoisonError, SessionStates, excerpt
+from bus.artifacts import ArtifactStore
 from bus.connection import Bus
 from bus.consumer import Delivery
 from bus.eventlog import Append, decode_stored
@@ -46,7 +50,9 @@ from bus.subjects import (
     REQUESTS_PREFIX,
     REQUESTS_STREAM,
     STATE_PREFIX,
+    TOOL_EVENTS_SUFFIX,
     session_of,
+    tool_events_subject,
 )
 from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS, SESSION_CACHE_SIZE, SNAPSHOT_EVERY
 from schemas.errors import ConcurrencyError, InvalidIdError, InvalidRequestError, RpcError
@@ -58,6 +64,9 @@ from schemas.events import (
     CallRequested,
     Event,
     RequestRejected,
+    ResultRef,
+    ToolEventInjected,
+    TurnCancelled,
     TurnCompleted,
     TurnFailed,
     TurnRequested,
@@ -74,6 +83,8 @@ from schemas.ids import (
     is_token,
     policy_decision_id,
     request_rejected_id,
+    tool_event_id,
+    tool_event_msg_id,
     turn_ended_id,
     turn_id_for,
     turn_requested_id,
@@ -82,9 +93,13 @@ from schemas.policy import DEFAULT_AGENT
 from schemas.requests import (
     DEFAULT_MAX_CALLS,
     DEFAULT_MAX_REQUEST_BYTES,
+    MAX_IDEMPOTENCY_KEY_CHARS,
     Request,
+    ToolEventInput,
     decode_json,
     parse_request,
+    parse_tool_event,
+    strip_controls,
 )
 from schemas.state import (
     CallState,
@@ -97,6 +112,11 @@ from schemas.state import (
 )
 
 log = logging.getLogger("toolbus.session")
+
+# An injected result larger than this goes to the object store, its event holding a
+# reference (`result_ref`), as a large tool result does.
+INLINE_TOOL_EVENT_BYTES = 64 * 1024
+MAX_TOOL_EVENTS = 1000  # injected into one session
 
 ACTOR = "session"
 
@@ -131,14 +151,16 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     agent = request.agent or default_agent
     out = [Append(TurnRequested(session_id=sid, at=now, actor=ACTOR, turn_id=turn_id,
                                 request_id=request_id, call_ids=call_ids, agent=agent,
-                                message=request.message, history=request.history),
+                                message=request.message, history=request.history,
+                                think=request.think),
                   turn_requested_id(sid, turn_id))]
     for call_id, call in zip(call_ids, request.calls, strict=True):
         out.append(Append(CallRequested(session_id=sid, at=now, actor=ACTOR, call_id=call_id,
                                         turn_id=turn_id, tool=call.tool,
                                         arguments=call.arguments, reasoning=call.reasoning,
                                         output_path=call.output_path, delegate=call.delegate,
-                                        instance=call.instance, agent=agent),
+                                        instance=call.instance, agent=agent,
+                                        transform=call.transform),
                           call_requested_id(sid, call_id)))
     if approver is None:
         return out
@@ -269,17 +291,92 @@ def decide_request(state: SessionState, request: Request, request_id: str, *, no
     return [Append(rejected, request_rejected_id(request_seq))]
 
 
+CANCELLABLE = frozenset({"requested", "awaiting_approval", "approved"})
+
+
+def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: float,
+                      request_seq: int, result_ref: ResultRef | None = None,
+                      default_agent: str = DEFAULT_AGENT,
+                      accept_messages: bool = False) -> list[Append]:
+    """The events an injected tool event makes due (seed 000): `tool_event.injected`
+    (nothing at all when its idempotency key was seen: the first event stands), and with
+    `trigger_processing` the planner turns in flight cancelled (`turn.cancelled`,
+    `superseded`; their calls not yet dispatched `call.failed` `cancelled`) and a new turn
+    that starts from it."""
+    sid = state.session_id
+    if tool_event.idempotency_key in state.tool_event_keys:
+        return []
+    event_id = tool_event_id(sid, tool_event.idempotency_key)
+    if len(state.tool_events) >= MAX_TOOL_EVENTS:
+        return [Append(RequestRejected(
+            session_id=sid, at=now, actor=ACTOR, reason="too_many_tool_events",
+            request_id=event_id, subject=tool_events_subject(sid),
+            message=f"session {sid} holds {len(state.tool_events)} injected tool events, "
+                    f"the limit (each is read by every later turn): start a new session"),
+            request_rejected_id(request_seq))]
+    if tool_event.trigger_processing and not accept_messages:
+        return [Append(RequestRejected(
+            session_id=sid, at=now, actor=ACTOR, reason="no_planner", request_id=event_id,
+            subject=tool_events_subject(sid),
+            message="trigger_processing needs a planner to start a turn, and this toolbus "
+                    "runs none; inject without it, or give the manifest an "
+                    "agent_config.model"), request_rejected_id(request_seq))]
+    turn_id = turn_id_for(event_id) if tool_event.trigger_processing else None
+    out = [Append(ToolEventInjected(
+        session_id=sid, at=now, actor=ACTOR, event_id=event_id, tool_id=tool_event.tool_id,
+        arguments=tool_event.arguments,
+        result=None if result_ref is not None else tool_event.result,
+        idempotency_key=tool_event.idempotency_key,
+        trigger_processing=tool_event.trigger_processing, turn_id=turn_id,
+        result_ref=result_ref), tool_event_msg_id(sid, event_id),
+        # On its own subject, so a client finds one by its id in one read.
+        route=event_id)]
+    if turn_id is None:
+        return out
+    for open_id in state.open_turns:
+        turn = state.turns[open_id]
+        if turn.message is None:
+            continue  # explicit calls a client asked for: not the agent's to drop
+        for call_id in turn.call_ids:
+            call = state.calls.get(call_id)
+            if call is not None and call.status in CANCELLABLE:
+                out.append(Append(CallFailed(
+                    session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=open_id,
+                    error_type="cancelled",
+                    message=f"{call.tool} did not run: its turn was superseded by tool "
+                            f"event {event_id} ({tool_event.tool_id})"),
+                    call_terminal_id(sid, call_id)))
+        outcomes = [state.calls[c].outcome() for c in turn.call_ids
+                    if c in state.calls and state.calls[c].terminal]
+        out.append(Append(TurnCancelled(
+            session_id=sid, at=now, actor=ACTOR, turn_id=open_id,
+            request_id=turn.request_id, reason="superseded", by=event_id,
+            message=f"superseded by tool event {event_id} ({tool_event.tool_id}), injected "
+                    "with trigger_processing; calls already running finish and are "
+                    "recorded, nothing acts on them", outcomes=outcomes),
+            turn_ended_id(sid, open_id)))
+    out.append(Append(TurnRequested(
+        session_id=sid, at=now, actor=ACTOR, turn_id=turn_id, request_id=event_id,
+        call_ids=[], agent=default_agent, message="", trigger=event_id),
+        turn_requested_id(sid, turn_id)))
+    return out
+
+
 def reject_request(subject: str, data: bytes, request_seq: int, reason: str, message: str,
                    *, now: float) -> Append:
     """The stored rejection of a request that cannot be accepted."""
-    sid = subject[len(REQUESTS_PREFIX) + 1:]
+    rest = subject[len(REQUESTS_PREFIX) + 1:]
+    sid = rest.removesuffix(f".{TOOL_EVENTS_SUFFIX}")
     own = is_token(sid)
+    # A tool event's rejection names the event its key would have made, for its sender.
+    rid = (_tool_event_id_of(sid, data) if sid != rest else _request_id_of(data)) \
+        if own else None
     # The system session is shared: a body that names no usable session is not quoted
     # there (it may hold someone's secrets), only measured.
     event = RequestRejected(session_id=sid if own else SYSTEM_SESSION, at=now,
                             actor=ACTOR, reason=reason, message=message,
                             subject=subject[:300],
-                            request_id=_request_id_of(data) if own else None,
+                            request_id=rid,
                             excerpt=excerpt(data) if own else f"({len(data)} bytes)")
     return Append(event, request_rejected_id(request_seq))
 
@@ -323,6 +420,7 @@ class SessionActor:
         self._max_calls = max_calls
         self._default_agent = default_agent
         self._clock = clock
+        self._artifacts = ArtifactStore(bus)
         self._kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, "session-events", (f"{EVENTS_PREFIX}.>",),
                          ack_wait_s=ACK_WAIT_S * 10),
@@ -396,7 +494,12 @@ class SessionActor:
 
     async def _on_request(self, delivery: Delivery) -> None:
         subject = delivery.subject
-        sid = subject[len(REQUESTS_PREFIX) + 1:]
+        rest = subject[len(REQUESTS_PREFIX) + 1:]
+        sid, _, kind = rest.partition(".")
+        if kind == TOOL_EVENTS_SUFFIX and is_token(sid):
+            await self._on_tool_event(delivery, sid)
+            return
+        sid = rest
         try:
             check_session_id(sid)
         except InvalidIdError as exc:
@@ -442,6 +545,45 @@ class SessionActor:
                                    f"request {request_id} kept conflicting")
         await delivery.ack()
 
+    async def _on_tool_event(self, delivery: Delivery, sid: str) -> None:
+        if sid == SYSTEM_SESSION:
+            raise PoisonError("reserved_session", f"{sid} is toolbus's own session: inject "
+                              "tool events into a session of yours")
+        try:
+            tool_event = parse_tool_event(delivery.data, max_bytes=self._max_request_bytes)
+        except InvalidRequestError as exc:
+            raise PoisonError(exc.reason, exc.message) from exc
+        entry = await self._states.entry(sid)
+        await self._states.catch_up(entry)
+        if tool_event.idempotency_key in entry.state.tool_event_keys:
+            await delivery.ack()  # the first event with this key stands; nothing more
+            return
+        result_ref: ResultRef | None = None
+        encoded = msgspec.json.encode(tool_event.result)
+        if len(encoded) > INLINE_TOOL_EVENT_BYTES:
+            # Large data goes by reference (the rule of every large result): the event
+            # stays small, the whole is in the object store, read on demand. Named by
+            # its content too: a later body under the same key never overwrites it.
+            digest = hashlib.sha256(encoded).hexdigest()[:16]
+            result_ref = await self._artifacts.put(
+                sid, f"{tool_event_id(sid, tool_event.idempotency_key)}-{digest}", 0,
+                encoded)
+
+        def decide_this(state: SessionState) -> list[Append]:
+            return decide_tool_event(state, tool_event, now=self._clock(),
+                                     request_seq=delivery.stream_seq, result_ref=result_ref,
+                                     default_agent=self._default_agent,
+                                     accept_messages=self._accept_messages)
+
+        await self._states.catch_up(entry)
+        async with entry.lock:
+            if not await self._states.decide_and_write(entry, decide_this,
+                                                       attempts=DECIDE_ATTEMPTS):
+                raise ConcurrencyError(delivery.subject, entry.state.last_seq,
+                                       "the tool event kept conflicting")
+            await self._settle(entry)
+        await delivery.ack()
+
     def _reject_request(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         return [reject_request(delivery.subject, delivery.data, delivery.stream_seq, reason,
                                message, now=self._clock())]
@@ -471,6 +613,18 @@ class SessionActor:
 
 # A reply must fit the server's max payload with room to spare.
 MAX_STATE_REPLY_BYTES = 4 * 1024 * 1024
+
+
+def _tool_event_id_of(sid: str, data: bytes) -> str | None:
+    try:
+        body = decode_json(data[:DEFAULT_MAX_REQUEST_BYTES], what="tool event")
+    except InvalidRequestError:
+        return None
+    key = body.get("idempotency_key") if isinstance(body, dict) else None
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        return None
+    clean = strip_controls(key)
+    return tool_event_id(sid, clean) if clean.strip() else None
 
 
 def _request_id_of(data: bytes) -> str | None:

@@ -1,4 +1,5 @@
-"""The client side: submit requests, wait for their turn to end, read and query sessions."""
+"""The client side: submit requests, inject tool events, wait for their turn to end, read
+and query sessions."""
 
 from __future__ import annotations
 
@@ -17,21 +18,34 @@ from bus.connection import Bus
 from bus.eventlog import EventLog, decode_stored
 from bus.headers import Header
 from bus.rpc import check_reply
-from bus.subjects import LIVE_PREFIX, live_filter, request_subject, state_subject
-from schemas.errors import BusError, BusTimeoutError
+from bus.subjects import (
+    LIVE_PREFIX,
+    event_subject,
+    live_filter,
+    request_subject,
+    state_subject,
+    tool_events_subject,
+)
+from schemas.errors import BusError, BusTimeoutError, InvalidRequestError
 from schemas.events import (
     CallOutcome,
     CallSucceeded,
     Event,
     RequestRejected,
     ResultRef,
+    ToolEventInjected,
+    TurnCancelled,
     TurnCompleted,
     TurnFailed,
 )
-from schemas.ids import check_session_id, client_request_id, turn_id_for
+from schemas.ids import check_session_id, client_request_id, tool_event_id, turn_id_for
+from schemas.requests import parse_tool_event
 from schemas.state import SessionState, decode_state, fold
 
-TurnEnd = TurnCompleted | TurnFailed | RequestRejected
+TurnEnd = TurnCompleted | TurnFailed | TurnCancelled | RequestRejected
+# How an injected tool event was taken, with the stream sequence of that event.
+InjectEnd = tuple[int, ToolEventInjected | RequestRejected]
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +53,18 @@ class Submitted:
     request_id: str
     turn_id: str
     duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InjectResult:
+    """A stored `tool_event.injected`: `created` is false when the idempotency key had
+    already been injected (these are then the first event's ids)."""
+
+    session_id: str
+    event_id: str
+    seq: int
+    turn_id: str | None  # the turn it started (`trigger_processing`)
+    created: bool
 
 
 def _turn_of(call_id: str) -> str:
@@ -53,6 +79,9 @@ class _Watcher:
     def __init__(self, session_id: str) -> None:
         self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
         self.results: dict[str, CallSucceeded] = {}
+        # Callers waiting for a tool event to be stored, by its id (one key may be
+        # injected by several at once).
+        self.injected: dict[str, list[asyncio.Future[InjectEnd]]] = {}
         self.subs: list[Any] = []
         self.ready = asyncio.Event()
         self._prefix = f"{LIVE_PREFIX}.{session_id}."
@@ -64,10 +93,13 @@ class _Watcher:
             if isinstance(ev, CallSucceeded) and _turn_of(ev.call_id) in self.waiting:
                 self.results[ev.call_id] = ev
             return
+        if kind.startswith("tool_event.injected") or (
+                kind == "request.rejected" and self.injected):
+            self._on_tool_event(msg)
         if not (kind.startswith("turn.") or kind == "request.rejected"):
             return
         ev = decode_stored(0, msg.subject, msg.data).event
-        if isinstance(ev, TurnCompleted | TurnFailed):
+        if isinstance(ev, TurnCompleted | TurnFailed | TurnCancelled):
             key = ev.turn_id
         elif isinstance(ev, RequestRejected) and ev.request_id is not None:
             key = turn_id_for(ev.request_id)
@@ -76,6 +108,21 @@ class _Watcher:
         fut = self.waiting.get(key)
         if fut is not None and not fut.done():
             fut.set_result(ev)
+
+    def _on_tool_event(self, msg: Any) -> None:
+        ev = decode_stored(0, msg.subject, msg.data).event
+        if isinstance(ev, ToolEventInjected):
+            key: str | None = ev.event_id
+        elif isinstance(ev, RequestRejected):
+            key = ev.request_id
+        else:
+            return
+        seq = (msg.headers or {}).get(Header.SEQUENCE.value, "")
+        if not (isinstance(seq, str) and seq.isdigit()):
+            return
+        for fut in self.injected.get(key or "", ()):
+            if not fut.done():
+                fut.set_result((int(seq), ev))
 
 
 class ToolbusClient:
@@ -104,7 +151,7 @@ class ToolbusClient:
             w.ready.set()
         if len(self._watchers) > self._max_watched:
             for sid, old in list(self._watchers.items()):
-                if not old.waiting:
+                if not old.waiting and not old.injected:
                     del self._watchers[sid]
                     for s in old.subs:
                         with contextlib.suppress(Exception):
@@ -201,6 +248,107 @@ class ToolbusClient:
             ) from exc
         return Submitted(request_id, turn_id_for(request_id), bool(ack.duplicate))
 
+    async def inject(
+        self,
+        session_id: str,
+        tool_id: str,
+        result: Any,
+        *,
+        arguments: dict[str, Any] | None = None,
+        idempotency_key: str,
+        trigger_processing: bool = False,
+        timeout: float = 30.0,
+    ) -> InjectResult:
+        """Hand the agent data as if the tool `tool_id` (a `namespace:name` label) had
+        returned `result` (seed 000), and wait (bounded) until it is stored.
+
+        The same `idempotency_key` again stores nothing and returns the first event's ids
+        (`created` false). The body is checked here first (`InvalidRequestError`, exactly
+        as the session actor would reject it), so a bad one is never published; a tool
+        event the session actor refuses (say `trigger_processing` with no planner) is an
+        `InvalidRequestError` naming its reason."""
+        check_session_id(session_id)
+        body: dict[str, Any] = {"tool_id": tool_id,
+                                "arguments": {} if arguments is None else arguments,
+                                "result": result, "idempotency_key": idempotency_key,
+                                "trigger_processing": trigger_processing}
+        try:
+            data = msgspec.json.encode(body)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError("invalid_request", f"the tool event is not JSON: {exc}"
+                                      ) from exc
+        # The event id comes from the key as the actor sees it: control characters removed.
+        event_id = tool_event_id(session_id, parse_tool_event(data).idempotency_key)
+        # Watch before looking and before publishing, so the stored event (or a rejection)
+        # cannot slip between the read and the wait.
+        watcher = await self._watch(session_id)
+        fut: asyncio.Future[InjectEnd] = asyncio.get_running_loop().create_future()
+        watcher.injected.setdefault(event_id, []).append(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                found = await self._stored_tool_event(session_id, event_id)
+                if found is not None:
+                    return found
+                duplicate = await self._publish_tool_event(session_id, event_id, data)
+                if duplicate:
+                    # Taken already, inside the duplicate window: this copy is dropped, so
+                    # if the first was refused, that refusal is the answer.
+                    refused = await self._stored_refusal(session_id, event_id)
+                    if refused is not None and not fut.done():
+                        fut.set_result(refused)
+                seq, ev = await fut
+        except TimeoutError as exc:
+            raise BusTimeoutError(
+                f"tool event {event_id} (key {idempotency_key[:40]!r}) in session "
+                f"{session_id} was not stored within {timeout:g} s: is `toolbus up` (or a "
+                "session actor) running? Retrying with the same key is safe") from exc
+        finally:
+            waiting = watcher.injected.get(event_id, [])
+            if fut in waiting:
+                waiting.remove(fut)
+            if not waiting:
+                watcher.injected.pop(event_id, None)
+        if isinstance(ev, RequestRejected):
+            # A copy the stream dropped gets its first's refusal, even if this body differs.
+            again = (" (a tool event with this idempotency_key was refused minutes ago: "
+                     "retry with a new key)") if duplicate else ""
+            raise InvalidRequestError(ev.reason, f"the session actor refused tool event "
+                                                 f"{event_id}{again}: {ev.message}")
+        return InjectResult(session_id, event_id, seq, ev.turn_id, created=not duplicate)
+
+    async def _stored_tool_event(self, session_id: str, event_id: str
+                                 ) -> InjectResult | None:
+        # Each on its own subject (`...tool_event.injected.<event id>`): one read.
+        stored = await self.log.read_session(session_id, subject_filter=event_subject(
+            session_id, "tool_event.injected", event_id))
+        for s in stored:
+            if isinstance(s.event, ToolEventInjected) and s.event.event_id == event_id:
+                return InjectResult(session_id, event_id, s.seq, s.event.turn_id,
+                                    created=False)
+        return None
+
+    async def _stored_refusal(self, session_id: str, event_id: str) -> InjectEnd | None:
+        stored = await self.log.read_session(
+            session_id, subject_filter=event_subject(session_id, "request.rejected"))
+        for s in reversed(stored):
+            if isinstance(s.event, RequestRejected) and s.event.request_id == event_id:
+                return s.seq, s.event
+        return None
+
+    async def _publish_tool_event(self, session_id: str, event_id: str, data: bytes) -> bool:
+        """Publish to the requests stream; true if the stream already had it."""
+        try:
+            ack = await self.bus.js.publish(
+                tool_events_subject(session_id), data, timeout=5.0,
+                headers={Header.MSG_ID.value: client_request_id(session_id, event_id),
+                         **trace.headers_for_child(None)},
+            )
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(
+                f"no request stream on {self.bus.url}: start toolbus there with `toolbus up`"
+            ) from exc
+        return bool(ack.duplicate)
+
     async def _with_results(self, end: TurnEnd, seen: dict[str, CallSucceeded], *,
                             full: bool) -> TurnEnd:
         """The turn's end with each succeeded outcome's result filled in: from the live
@@ -251,7 +399,8 @@ class ToolbusClient:
             return None
         stored = await self.log.read_at(turn.ended_seq)
         ev = stored.event if stored is not None else None
-        if not isinstance(ev, TurnCompleted | TurnFailed) or ev.turn_id != turn_id or \
+        if not isinstance(ev, TurnCompleted | TurnFailed | TurnCancelled) or \
+                ev.turn_id != turn_id or \
                 ev.session_id != session_id:
             return None
         return await self._with_results(ev, {}, full=full)

@@ -41,6 +41,14 @@ def request_subject(session_id: str) -> str:
     return f"{REQUESTS_PREFIX}.{session_id}"
 
 
+TOOL_EVENTS_SUFFIX: Final = "tool_events"
+
+
+def tool_events_subject(session_id: str) -> str:
+    """Where programs inject tool events into a session (seed 000), the gateway's body."""
+    return f"{REQUESTS_PREFIX}.{session_id}.{TOOL_EVENTS_SUFFIX}"
+
+
 def dispatch_filter(route: str) -> str:
     return f"{EVENTS_PREFIX}.*.call.dispatched.{route}"
 

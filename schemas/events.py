@@ -65,6 +65,15 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     content: str
 
 
+class ThinkRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A think step a request gives (`built-in:reason`, seed 000): run before the turn's
+    first answer, its output, valid against `output_schema`, kept as `step_outputs[id]`."""
+
+    id: str
+    instruction: str
+    output_schema: dict[str, Any]
+
+
 class TurnRequested(Event, frozen=True, tag="turn.requested"):
     turn_id: str
     request_id: str
@@ -74,6 +83,9 @@ class TurnRequested(Event, frozen=True, tag="turn.requested"):
     message: str | None = None
     # The conversation before `message`, when the client keeps it (`messages`).
     history: list[ChatMessage] = []
+    # The injected tool event (`trigger_processing`) that started it; its message is "".
+    trigger: str | None = None
+    think: list[ThinkRequest] = []  # think steps the request gave, after the agent's
 
 
 class ModelToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -189,6 +201,7 @@ class CallRequested(Event, frozen=True, tag="call.requested"):
     delegate: str | None = None  # `_delegate`: the executor pool asked for
     instance: str | None = None  # `_instance`: the executor instance asked for
     agent: str | None = None
+    transform: str | None = None  # `_transform`: a JMESPath expression over the result
 
 
 class CallRejected(Event, frozen=True, tag="call.rejected"):
@@ -307,6 +320,54 @@ class TurnFailed(Event, frozen=True, tag="turn.failed"):
     outcomes: list[CallOutcome] = []
 
 
+class TurnCancelled(Event, frozen=True, tag="turn.cancelled"):
+    """A turn ended before its time: `superseded` by a tool event injected with
+    `trigger_processing` (`by`, its event id). Its calls not yet dispatched were cancelled;
+    those already running finish and are recorded, but nothing acts on them."""
+
+    turn_id: str
+    request_id: str
+    reason: str
+    message: str
+    by: str | None = None
+    outcomes: list[CallOutcome] = []
+
+
+class ResultCompressed(Event, frozen=True, tag="result.compressed"):
+    """What the model reads of a call's result when the whole would not do (the
+    compressor, actors/compressor.py): over the budget, a structured preview of it under
+    a stable `key` (`_tool_result_N`, for `built-in:recall`); asked for with `_transform`,
+    the JMESPath expression's value (or, if it failed, the preview and `transform_error`).
+    The result itself stays where the call's end put it (event or object store)."""
+
+    call_id: str
+    turn_id: str
+    tool: str
+    chars: int  # the whole result's length, as the text the model would have read
+    budget: int
+    view: str  # what the model reads instead
+    key: str | None = None
+    transform: str | None = None
+    transform_error: str | None = None
+
+
+class ToolEventInjected(Event, frozen=True, tag="tool_event.injected"):
+    """Data an integration handed the agent as if a tool had fetched it (seed 000):
+    `tool_id` is a `namespace:name` label, not necessarily a real tool. Seen by the model
+    from the next turn on (or at once, in the turn it starts, with `trigger_processing`).
+    Every string in it had its control characters removed (tab and newline kept). A
+    result too large for an event is in the object store (`result_ref`)."""
+
+    event_id: str
+    tool_id: str
+    arguments: Any
+    result: Any
+    idempotency_key: str
+    trigger_processing: bool = False
+    turn_id: str | None = None  # the turn it started (`trigger_processing`)
+    result_ref: ResultRef | None = None
+
+
 class RequestRejected(Event, frozen=True, tag="request.rejected"):
     reason: str
     message: str
@@ -335,6 +396,9 @@ AnyEvent = (
     | CallFailed
     | TurnCompleted
     | TurnFailed
+    | TurnCancelled
+    | ResultCompressed
+    | ToolEventInjected
     | RequestRejected
 )
 
@@ -352,6 +416,9 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     CallFailed,
     TurnCompleted,
     TurnFailed,
+    TurnCancelled,
+    ResultCompressed,
+    ToolEventInjected,
     RequestRejected,
 )
 
@@ -436,7 +503,7 @@ def summarize(event: Event) -> str:
             why = f"  reason: {event.reasoning}" if event.reasoning else ""
             meta = "".join(f"  {label}: {value}" for label, value in (
                 ("-> state.", event.output_path), ("pool", event.delegate),
-                ("instance", event.instance)) if value)
+                ("instance", event.instance), ("transform", event.transform)) if value)
             args = _encoder.encode(event.arguments).decode()
             return f"{event.call_id} {event.tool} {_clip(args)}{why}{meta}"
         case CallRejected():
@@ -476,6 +543,23 @@ def summarize(event: Event) -> str:
                     f"succeeded{answer}")
         case TurnFailed():
             return f"turn {event.turn_id} failed ({event.reason}): {_clip(event.message)}"
+        case TurnCancelled():
+            by = f" by {event.by}" if event.by else ""
+            return (f"turn {event.turn_id} cancelled ({event.reason}{by}): "
+                    f"{_clip(event.message)}")
+        case ResultCompressed():
+            what = f"stored as {event.key}, " if event.key else ""
+            how = f"_transform {_clip(event.transform, 60)!r}" if event.transform else "preview"
+            bad = f" (failed: {_clip(event.transform_error, 80)}; preview shown)" \
+                if event.transform_error else ""
+            return (f"{event.call_id} {event.tool}: {event.chars} chars, {what}the model "
+                    f"reads {len(event.view)} ({how}{bad})")
+        case ToolEventInjected():
+            res = (f"{event.result_ref.size} bytes stored as {event.result_ref.key}"
+                   if event.result_ref is not None else _encoder.encode(event.result).decode())
+            starts = f"; starts turn {event.turn_id}" if event.turn_id else ""
+            return (f"tool event {event.event_id} {event.tool_id} injected (key "
+                    f"{_clip(event.idempotency_key, 40)!r}): {_clip(res)}{starts}")
         case RequestRejected():
             rid = event.request_id or "?"
             return f"request {rid} rejected ({event.reason}): {_clip(event.message)}"

@@ -16,6 +16,7 @@ _TOOL_PART = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # session, since the event subject needs a valid token.
 SYSTEM_SESSION = "_toolbus"
 AUTO_REQUEST_PREFIX = "auto-"
+TOOL_EVENT_PREFIX = "te-"  # injected tool events: their ids, and the turns they start
 
 
 def is_token(value: object) -> bool:
@@ -135,6 +136,28 @@ def call_terminal_id(session_id: str, call_id: str) -> str:
     it: an executor, the session actor for a denied call, the janitor, or the kernel for
     a call that made an actor fail. So a call ends once."""
     return f"{session_id}:{call_id}:terminal"
+
+
+def result_compressed_id(session_id: str, call_id: str) -> str:
+    """A call's result is compressed (or transformed) once."""
+    return f"{session_id}:{call_id}:compressed"
+
+
+def tool_event_id(session_id: str, idempotency_key: str) -> str:
+    """The id of an injected tool event, from its idempotency key: the same key in the
+    same session is the same event (token-safe; the key itself may be any text)."""
+    digest = hashlib.blake2b(f"{session_id}\x00{idempotency_key}".encode(),
+                             digest_size=10).hexdigest()
+    return f"{TOOL_EVENT_PREFIX}{digest}"
+
+
+def tool_event_msg_id(session_id: str, event_id: str) -> str:
+    return f"{session_id}:{event_id}:injected"
+
+
+def turn_cancelled_id(session_id: str, turn_id: str) -> str:
+    """Shares `turn_ended_id`'s: a turn ends once, completed, failed or cancelled."""
+    return turn_ended_id(session_id, turn_id)
 
 
 def request_rejected_id(request_seq: int) -> str:

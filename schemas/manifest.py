@@ -493,9 +493,40 @@ class ToolRef(_Model):
     id: ToolName
 
 
+# A view or a recall page is stored in an event: 20,000 characters stay under the event
+# limit even when every one is escaped in JSON (6 bytes).
+MAX_COMPRESSION_BUDGET = 20_000
+
+
+class ToolCompression(_Model):
+    budget: Annotated[int, Field(ge=200, le=MAX_COMPRESSION_BUDGET)] | None = None
+    preview_items: Annotated[int, Field(ge=0, le=50)] | None = None
+
+
+class CompressionConfig(_Model):
+    """Tool result compression (seed 003): a result whose text is longer than `budget`
+    characters reaches the model as a structured preview under a key `_tool_result_N`
+    (`built-in:recall` reads the rest); `tools` sets either per tool."""
+
+    budget: Annotated[int, Field(ge=200, le=MAX_COMPRESSION_BUDGET)] = 800
+    preview_items: Annotated[int, Field(ge=0, le=50)] = 3
+    # A page of `built-in:recall`: asked for, so larger than a preview.
+    recall_budget: Annotated[int, Field(ge=200, le=MAX_COMPRESSION_BUDGET)] = 4000
+    tools: dict[ToolName, ToolCompression] = {}
+
+    def for_tool(self, tool: str) -> tuple[int, int]:
+        """(budget, preview items) for the results of `tool`."""
+        own = self.tools.get(tool)
+        if own is None:
+            return self.budget, self.preview_items
+        return (own.budget if own.budget is not None else self.budget,
+                own.preview_items if own.preview_items is not None else self.preview_items)
+
+
 class ContextConfig(_Model):
     # After a successful call of one of these, the turn's policies are decided again.
     reevaluation_tools: list[ToolRef] = []
+    compression: CompressionConfig = CompressionConfig()
 
 
 class ThinkStep(_Model):
@@ -540,6 +571,8 @@ class AgentDef(_Model):
     model: ModelConfig | None = None  # default: agent_config.model
     tools: list[ToolGlob] = []
     output_schema: JsonSchema | None = None
+    compression: CompressionConfig | None = None  # default: agent_config.context's
+    mode: Literal["native", "composed"] | None = None  # default: agent_config.mode
 
 
 class AgentConfig(_Model):

@@ -23,9 +23,10 @@ from typing import Any, Final
 import msgspec
 
 from schemas.defaults import MAX_CALLS_PER_REQUEST, MAX_JSON_DEPTH, MAX_REQUEST_BYTES
-from schemas.errors import InvalidRequestError
-from schemas.events import ChatMessage
-from schemas.ids import AUTO_REQUEST_PREFIX, is_token
+from schemas.errors import ConfigError, InvalidRequestError
+from schemas.events import ChatMessage, ThinkRequest
+from schemas.ids import AUTO_REQUEST_PREFIX, TOOL_EVENT_PREFIX, is_token
+from schemas.validation import Validator
 
 DEFAULT_MAX_REQUEST_BYTES: Final = MAX_REQUEST_BYTES
 DEFAULT_MAX_CALLS: Final = MAX_CALLS_PER_REQUEST
@@ -38,6 +39,7 @@ class CallInput(msgspec.Struct, frozen=True, kw_only=True):
     output_path: str | None = None
     delegate: str | None = None
     instance: str | None = None
+    transform: str | None = None  # `_transform`: JMESPath over the result, for the model
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,11 +50,17 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     # conversation before it when the client keeps it (`messages`).
     message: str | None = None
     history: list[ChatMessage] = []
+    think: list[ThinkRequest] = []  # think steps for this turn (`built-in:reason`)
 
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024
-_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent", "message", "messages"})
-META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance")
+_KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent", "message", "messages",
+                                "think"})
+MAX_THINK_STEPS: Final = 8
+MAX_THINK_INSTRUCTION_CHARS: Final = 8000
+META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance",
+                      "_transform")
+MAX_TRANSFORM_CHARS: Final = 1000
 _KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", *META_FIELDS})
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -91,10 +99,11 @@ def parse_request(
             )
         if len(request_id) > 256:
             raise InvalidRequestError("invalid_request", "request_id is longer than 256 characters")
-        if request_id.startswith(AUTO_REQUEST_PREFIX):
+        if request_id.startswith((AUTO_REQUEST_PREFIX, TOOL_EVENT_PREFIX)):
             raise InvalidRequestError(
                 "invalid_request",
-                f"request ids starting with {AUTO_REQUEST_PREFIX!r} are reserved for toolbus",
+                f"request ids starting with {AUTO_REQUEST_PREFIX!r} or {TOOL_EVENT_PREFIX!r} "
+                "are reserved for toolbus",
             )
     agent = body.get("agent")
     if agent is not None and not is_token(agent):
@@ -102,6 +111,10 @@ def parse_request(
             "invalid_request",
             f"agent {agent!r} is not a valid name: use 1 to 128 characters from A-Z a-z 0-9 _ -",
         )
+    think = _parse_think(body["think"]) if "think" in body else []
+    if think and "message" not in body and "messages" not in body:
+        raise InvalidRequestError("invalid_request", "think steps need a message: they run "
+                                  "in a turn the model plans, not with explicit calls")
     if "messages" in body:
         if "message" in body or "calls" in body:
             raise InvalidRequestError(
@@ -111,7 +124,7 @@ def parse_request(
             raise InvalidRequestError(
                 "payload_too_large", f"the last message is over {MAX_MESSAGE_BYTES} bytes")
         return Request(request_id=request_id, calls=[], agent=agent, message=said,
-                       history=history)
+                       history=history, think=think)
     message = body.get("message")
     if message is not None:
         if "calls" in body:
@@ -125,7 +138,8 @@ def parse_request(
         if len(message.encode()) > MAX_MESSAGE_BYTES:
             raise InvalidRequestError(
                 "payload_too_large", f"message is over {MAX_MESSAGE_BYTES} bytes")
-        return Request(request_id=request_id, calls=[], agent=agent, message=message)
+        return Request(request_id=request_id, calls=[], agent=agent, message=message,
+                       think=think)
     calls = body.get("calls")
     if not isinstance(calls, list):
         raise InvalidRequestError(
@@ -146,6 +160,44 @@ def parse_request(
             )
         parsed.append(_parse_call(call, where))
     return Request(request_id=request_id, calls=parsed, agent=agent)
+
+
+def _parse_think(value: Any) -> list[ThinkRequest]:
+    """`think`: one think step `{id, instruction, output_schema}`, or a list of them."""
+    items = [value] if isinstance(value, dict) else value
+    if not isinstance(items, list) or not items:
+        raise InvalidRequestError("invalid_request", 'think must be a think step {"id", '
+                                  '"instruction", "output_schema"} or a non-empty list of them')
+    if len(items) > MAX_THINK_STEPS:
+        raise InvalidRequestError("invalid_request", f"{len(items)} think steps; the limit "
+                                  f"is {MAX_THINK_STEPS} per request")
+    steps: list[ThinkRequest] = []
+    for i, item in enumerate(items):
+        where = f"think[{i}]"
+        if not isinstance(item, dict) or set(item) != {"id", "instruction", "output_schema"}:
+            raise InvalidRequestError("invalid_request", f"{where} must be an object with "
+                                      "exactly id, instruction and output_schema")
+        ident, instruction, schema = item["id"], item["instruction"], item["output_schema"]
+        if not is_token(ident):
+            raise InvalidRequestError("invalid_request", f"{where}.id must be 1 to 128 "
+                                      "characters from A-Z a-z 0-9 _ -")
+        if any(s.id == ident for s in steps):
+            raise InvalidRequestError("invalid_request", f"{where}.id {ident} is given twice")
+        if not isinstance(instruction, str) or not instruction.strip() or \
+                len(instruction) > MAX_THINK_INSTRUCTION_CHARS:
+            raise InvalidRequestError("invalid_request", f"{where}.instruction must be a "
+                                      f"non-empty string of at most "
+                                      f"{MAX_THINK_INSTRUCTION_CHARS} characters")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("invalid_request", f"{where}.output_schema must be a "
+                                      f"JSON Schema object, got {_json_type(schema)}")
+        try:
+            Validator(schema)
+        except ConfigError as exc:
+            raise InvalidRequestError("invalid_request", f"{where}.output_schema: "
+                                      f"{exc}") from exc
+        steps.append(ThinkRequest(id=ident, instruction=instruction, output_schema=schema))
+    return steps
 
 
 def _parse_messages(value: Any) -> tuple[str, list[ChatMessage]]:
@@ -255,10 +307,16 @@ def _parse_call(call: dict[str, Any], where: str) -> CallInput:
                 f"{where}.{key} {value!r} is not a valid name: use 1 to 128 characters "
                 "from A-Z a-z 0-9 _ -",
             )
+    transform = meta["_transform"]
+    if transform is not None and not 0 < len(transform) <= MAX_TRANSFORM_CHARS:
+        raise InvalidRequestError(
+            "invalid_request", f"{where}._transform must be a JMESPath expression of 1 to "
+            f"{MAX_TRANSFORM_CHARS} characters")
     # Arguments that are not an object are kept: they become a call.rejected naming the
     # call, while the other calls of the request still run.
     return CallInput(tool=tool, arguments=arguments, reasoning=meta["_reasoningForCall"],
-                     output_path=path, delegate=meta["_delegate"], instance=meta["_instance"])
+                     output_path=path, delegate=meta["_delegate"], instance=meta["_instance"],
+                     transform=transform)
 
 
 def _json_type(value: object) -> str:
@@ -276,3 +334,93 @@ def _json_type(value: object) -> str:
         case dict():
             return "an object"
     return type(value).__name__
+
+
+# --- injected tool events (seed 000) ------------------------------------------------------
+
+MAX_IDEMPOTENCY_KEY_CHARS: Final = 256
+_TOOL_EVENT_KEYS: Final = frozenset({"tool_id", "arguments", "result", "idempotency_key",
+                                     "trigger_processing"})
+# Control characters (C0 but tab and newline, DEL, C1, line and paragraph separators)
+# and the invisible format characters (Unicode category Cf: bidirectional controls,
+# zero-width spaces, the tag block that can hide text from a human reader), but for the
+# zero-width joiners that scripts and emoji need.
+_CONTROL: Final = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891"
+    "\u08e2\u180e\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff"
+    "\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
+    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]")
+
+
+class ToolEventInput(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool event to inject, as `POST /sessions/{id}/tool_events` and
+    `toolbus.req.<session_id>.tool_events` take it; every string already stripped of
+    control characters."""
+
+    tool_id: str
+    arguments: dict[str, Any]
+    result: Any
+    idempotency_key: str
+    trigger_processing: bool = False
+
+
+def strip_controls(value: Any) -> Any:
+    """`value` with control characters (C0 but tab and newline, DEL, C1, and the
+    bidirectional overrides) removed from every string in it, keys included."""
+    if isinstance(value, str):
+        return _CONTROL.sub("", value)
+    if isinstance(value, list):
+        return [strip_controls(v) for v in value]
+    if isinstance(value, dict):
+        return {strip_controls(k): strip_controls(v) for k, v in value.items()}
+    return value
+
+
+def parse_tool_event(data: bytes, *, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+                     ) -> ToolEventInput:
+    """Parse an injected tool event, raising `InvalidRequestError` naming what is wrong."""
+    if len(data) > max_bytes:
+        raise InvalidRequestError(
+            "payload_too_large", f"the tool event is {len(data)} bytes; the limit is "
+            f"{max_bytes} bytes")
+    body = decode_json(data, what="tool event")
+    if not isinstance(body, dict):
+        raise InvalidRequestError(
+            "invalid_request", f"a tool event must be a JSON object, got {_json_type(body)}")
+    unknown = sorted(set(body) - _TOOL_EVENT_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            "invalid_request", f"unknown field(s) {', '.join(unknown)}; a tool event has "
+            "tool_id, arguments, result, idempotency_key and trigger_processing")
+    tool_id = body.get("tool_id")
+    if not isinstance(tool_id, str) or tool_id.count(":") != 1 or not all(
+            is_token(part) for part in tool_id.split(":")):
+        raise InvalidRequestError(
+            "invalid_request", f"tool_id must be a label written namespace:name (each part 1 "
+            f"to 128 of A-Z a-z 0-9 _ -), e.g. injected:bank_statement; got "
+            f"{_json_type(tool_id) if not isinstance(tool_id, str) else repr(tool_id[:80])}")
+    arguments = body.get("arguments", {})
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(
+            "invalid_request", f"arguments must be an object, got {_json_type(arguments)}")
+    if "result" not in body:
+        raise InvalidRequestError("invalid_request", "result is missing: give what the tool "
+                                  "would have returned (any JSON)")
+    key = body.get("idempotency_key")
+    if not isinstance(key, str) or not key.strip() or len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise InvalidRequestError(
+            "invalid_request", f"idempotency_key must be a non-empty string of at most "
+            f"{MAX_IDEMPOTENCY_KEY_CHARS} characters, got {_json_type(key)}: a retry with "
+            "the same key returns the first event instead of storing a second")
+    trigger = body.get("trigger_processing", False)
+    if not isinstance(trigger, bool):
+        raise InvalidRequestError(
+            "invalid_request", f"trigger_processing must be true or false, got "
+            f"{_json_type(trigger)}")
+    clean_key = strip_controls(key)
+    if not clean_key.strip():
+        raise InvalidRequestError("invalid_request", "idempotency_key is only control "
+                                  "characters")
+    return ToolEventInput(tool_id=tool_id, arguments=strip_controls(arguments),
+                          result=strip_controls(body["result"]), idempotency_key=clean_key,
+                          trigger_processing=trigger)

@@ -37,7 +37,11 @@ from schemas.events import (
     OutputRejected,
     PoliciesMatched,
     RequestRejected,
+    ResultCompressed,
     ResultRef,
+    ThinkRequest,
+    ToolEventInjected,
+    TurnCancelled,
     TurnCompleted,
     TurnFailed,
     TurnReevaluated,
@@ -47,7 +51,7 @@ from schemas.events import (
 
 CallStatus = Literal["requested", "awaiting_approval", "approved", "denied", "rejected",
                      "dispatched", "running", "succeeded", "failed"]
-TurnStatus = Literal["running", "completed", "failed"]
+TurnStatus = Literal["running", "completed", "failed", "cancelled"]
 TERMINAL_CALL_STATUSES: frozenset[str] = frozenset({"rejected", "succeeded", "failed"})
 
 
@@ -89,6 +93,11 @@ class CallState(msgspec.Struct, kw_only=True, gc=False):
     error: ErrorInfo | None = None
     requested_at: float = 0.0
     finished_at: float | None = None
+    # What the model reads of the result when not the whole (`result.compressed`): the
+    # preview or the `_transform`'s value, and the key `recall` finds the whole under.
+    transform: str | None = None
+    view: str | None = None
+    result_key: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -173,6 +182,21 @@ class TurnState(msgspec.Struct, kw_only=True, gc=False):
     verdicts: list[OutputVerdict] = msgspec.field(default_factory=list)
     output: Any = None
     output_call_id: str | None = None
+    seq: int = 0  # of its `turn.requested`: the tool events injected before it are seen
+    trigger: str | None = None  # the injected tool event that started it
+    think: list[ThinkRequest] = msgspec.field(default_factory=list)  # the request's
+
+
+class InjectedToolEvent(msgspec.Struct, kw_only=True, gc=False):
+    """A `tool_event.injected`, at stream sequence `seq`."""
+
+    seq: int
+    event_id: str
+    tool_id: str
+    arguments: Any
+    result: Any
+    result_ref: ResultRef | None = None
+    turn_id: str | None = None
 
 
 class SessionState(msgspec.Struct, kw_only=True, gc=False):
@@ -187,11 +211,16 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
     data: dict[str, Any] = msgspec.field(default_factory=dict)
     # Think steps' outputs (`built-in:reason`), by step id; a later run replaces one.
     step_outputs: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Tool events injected (seed 000), in order, and their ids by idempotency key.
+    tool_events: list[InjectedToolEvent] = msgspec.field(default_factory=list)
+    tool_event_keys: dict[str, str] = msgspec.field(default_factory=dict)
+    # Results stored under a key by the compressor (`_tool_result_N` -> call id).
+    result_keys: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 # Bumped whenever the shape of `SessionState` changes, so that older snapshots are
 # ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 6
+STATE_VERSION = 7
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -216,6 +245,9 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     requested_at=event.at,
                     message=event.message,
                     history=list(event.history),
+                    seq=seq,
+                    trigger=event.trigger,
+                    think=list(event.think),
                 )
                 state.open_turns.append(event.turn_id)
         case CallRequested():
@@ -231,6 +263,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                     instance=event.instance,
                     agent=event.agent,
                     requested_at=event.at,
+                    transform=event.transform,
                 )
                 turn = state.turns.get(event.turn_id)
                 # A planner's calls join the turn as the model asks for them.
@@ -356,6 +389,28 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 turn.ended_seq = seq
                 if event.turn_id in state.open_turns:
                     state.open_turns.remove(event.turn_id)
+        case TurnCancelled():
+            turn = state.turns.get(event.turn_id)
+            if turn is not None and turn.status == "running":
+                turn.status = "cancelled"
+                turn.finished_at = event.at
+                turn.ended_seq = seq
+                if event.turn_id in state.open_turns:
+                    state.open_turns.remove(event.turn_id)
+        case ResultCompressed():
+            call = calls.get(event.call_id)
+            if call is not None and call.view is None:
+                call.view = event.view
+                if event.key is not None and event.key not in state.result_keys:
+                    call.result_key = event.key
+                    state.result_keys[event.key] = event.call_id
+        case ToolEventInjected():
+            if event.idempotency_key not in state.tool_event_keys:
+                state.tool_event_keys[event.idempotency_key] = event.event_id
+                state.tool_events.append(InjectedToolEvent(
+                    seq=seq, event_id=event.event_id, tool_id=event.tool_id,
+                    arguments=event.arguments, result=event.result,
+                    result_ref=event.result_ref, turn_id=event.turn_id))
         case RequestRejected():
             state.rejected_requests += 1
     return state

@@ -50,6 +50,7 @@ from schemas.ids import (
     call_terminal_id,
     dispatch_id,
     policy_decision_id,
+    tool_event_id,
     turn_ended_id,
     turn_requested_id,
 )
@@ -657,6 +658,167 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"{AGENT_GOAL_FLAT:.0%} slower than early ({'met' if goal['flat_met'] else 'MISSED'}); "
           f"failures: {failures}; load at end "
           f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
+    return 0 if failures == 0 else 1
+
+
+# --- compress ---------------------------------------------------------------------------
+
+# A new session's first tool event also pays for creating the session, and
+# `ToolbusClient.inject` reads the session's earlier tool events before it publishes, so
+# its cost grows with them: sessions of 10 injections, a data feed's usual share, keep
+# both in the figures without either ruling them.
+INJECTS_PER_SESSION = 10
+TRANSFORM_EXPRESSION = "[].{sha: sha, msg: commit.message}"
+
+
+def _timed(name: str, fn: Callable[[], object], *, n: int) -> Stats:
+    """`n` calls of `fn` in process, one at a time, each timed, after a warm-up."""
+    for _ in range(min(n, 100)):
+        fn()
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - t)
+    return _stats(name, lat, seconds=time.perf_counter() - t0, concurrency=1)
+
+
+async def bench_compress(*, n: int = 2000, fsync: str = "batch", json_out: bool = False,
+                         workers: int | None = None) -> int:
+    """Tool result compression and injection (issue 13): the preview of seed 003's
+    31,000-character `list_commits` result beside encoding it as JSON (what the model would
+    read uncompressed), a recall page beside the same, a JMESPath transform beside a
+    precompiled `jmespath.search`; then injecting a small tool event over NATS
+    (`ToolbusClient.inject`) and over HTTP (`POST /sessions/{sid}/tool_events` on the
+    gateway), each until it is stored, beside the raw bus floors of the same run."""
+    import httpx  # only this benchmark talks to the gateway
+    import jmespath
+
+    from actors import compress
+    from schemas.manifest import CompressionConfig
+    from services.sample_data import list_commits
+
+    machine = _machine()
+    commits = list_commits()
+    chars = len(compress.result_text(commits))
+    config = CompressionConfig()
+    budget, items, page = config.budget, config.preview_items, config.recall_budget
+    shown = compress.preview(commits, key="_tool_result_1", tool="github:list_commits",
+                             budget=budget, items=items)
+    recalled = compress.recall(commits, offset=items, budget=page)  # the page after the preview
+    expression = jmespath.compile(TRANSFORM_EXPRESSION)
+    if compress.transform(commits, TRANSFORM_EXPRESSION) != expression.search(commits):
+        raise RuntimeError("compress.transform and jmespath.search disagree")
+
+    encode = _timed("compress.result_text (JSON)", lambda: compress.result_text(commits), n=n)
+    previewed = _timed(f"compress.preview ({budget} chars)", lambda: compress.preview(
+        commits, key="_tool_result_1", tool="github:list_commits", budget=budget,
+        items=items), n=n)
+    paged = _timed(f"compress.recall ({page} chars)",
+                   lambda: compress.recall(commits, offset=items, budget=page), n=n)
+    search = _timed("jmespath.search, precompiled", lambda: expression.search(commits), n=n)
+    transformed = _timed("compress.transform",
+                         lambda: compress.transform(commits, TRANSFORM_EXPRESSION), n=n)
+
+    result = {"balance": 1234.5, "currency": "EUR"}
+    failures = 0
+    async with contextlib.AsyncExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="toolbus-bench-compress-"))
+        http_port = free_port()
+        # Its own data dir: the gateway's tokens are written there, not in the user's.
+        url = await stack.enter_async_context(_system(
+            None, "--data-dir", tmp, "--http-port", str(http_port), *_workers_args(workers),
+            fsync=fsync))
+        token = Path(tmp, "auth", "client.token").read_text().strip()  # noqa: ASYNC240 - once, before anything is measured
+        http = await stack.enter_async_context(httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_port}", timeout=30,
+            headers={"authorization": f"Bearer {token}"}))
+        bus = await connect(url, name="toolbus-bench")
+        stack.push_async_callback(bus.close)
+        responder = await connect(url, name="toolbus-bench-responder")
+        stack.push_async_callback(responder.close)
+        client = ToolbusClient(bus)
+        stack.push_async_callback(client.close)
+        run = os.urandom(3).hex()
+
+        def nats_in(prefix: str) -> Op:
+            async def op(i: int) -> None:
+                nonlocal failures
+                got = await client.inject(f"{prefix}-{i // INJECTS_PER_SESSION}",
+                                          "injected:bench", result, idempotency_key=f"k{i}",
+                                          timeout=30)
+                failures += not got.created
+            return op
+
+        def http_in(prefix: str) -> Op:
+            async def op(i: int) -> None:
+                nonlocal failures
+                sid, key = f"{prefix}-{i // INJECTS_PER_SESSION}", f"k{i}"
+                r = await http.post(f"/sessions/{sid}/tool_events", json={
+                    "tool_id": "injected:bench", "arguments": {}, "result": result,
+                    "idempotency_key": key})
+                failures += r.status_code != 201 or \
+                    r.json().get("event_id") != tool_event_id(sid, key)
+            return op
+
+        warm = min(n, 100)
+        await measure("warm-up", nats_in(f"inject-{run}-wn"), n=warm, concurrency=1)
+        await measure("warm-up", http_in(f"inject-{run}-wh"), n=warm, concurrency=1)
+        floors = await _floors(bus, responder, n=n, concurrency=None)
+        over_nats = await measure("inject over NATS", nats_in(f"inject-{run}-n"), n=n,
+                                  concurrency=1)
+        over_http = await measure("inject over HTTP (gateway)", http_in(f"inject-{run}-h"),
+                                  n=n, concurrency=1)
+
+    preview_line = Line(previewed).beside(encode, *LATENCY)
+    recall_line = Line(paged).beside(encode, *LATENCY)
+    transform_line = Line(transformed).beside(search, *LATENCY)
+    nats_line = Line(over_nats).beside(floors.js, *LATENCY)
+    http_line = Line(over_http).beside(floors.js, *LATENCY).beside(over_nats, *LATENCY)
+    lines = [Line(encode), preview_line, recall_line, Line(search), transform_line,
+             *_floor_lines(floors), nats_line, http_line]
+    report: dict[str, Any] = {
+        "machine": machine, "fsync": fsync, "n": n,
+        "result": {"chars": chars, "items": len(commits), "preview_chars": len(shown),
+                   "preview_budget": budget, "preview_items": items,
+                   "recall_chars": len(compress.result_text(recalled)),
+                   "recall_budget": page, "recall_items": recalled["count"],
+                   "transform": TRANSFORM_EXPRESSION},
+        "injects_per_session": INJECTS_PER_SESSION,
+        "rows": [_line_json(x) for x in lines],
+        "ratios": {
+            "preview_p50_vs_result_text": round(preview_line.ratio("p50", encode), 2),
+            "recall_p50_vs_result_text": round(recall_line.ratio("p50", encode), 2),
+            "transform_p50_vs_jmespath": round(transform_line.ratio("p50", search), 2),
+            "inject_nats_p50_vs_js_publish": round(nats_line.ratio("p50", floors.js), 2),
+            "inject_http_p50_vs_js_publish": round(http_line.ratio("p50", floors.js), 2),
+            "inject_http_p50_vs_nats": round(http_line.ratio("p50", over_nats), 2),
+        },
+        "failures": failures,
+    }
+    _finish(report)
+    if json_out:
+        print(msgspec.json.encode(report).decode())
+        return 0 if failures == 0 else 1
+    ratios = report["ratios"]
+    print(_header("compress", machine, f"{_fsync_text(None, fsync)}; n {n} one at a time; "
+                                       f"a {chars:,}-character {len(commits)}-item "
+                                       f"list_commits result; {INJECTS_PER_SESSION} "
+                                       f"injections a session"))
+    _print_lines(lines)
+    print(f"\npreview ({len(shown)} of {budget} characters, {items} items): "
+          f"{previewed.p50_ms * 1e3:.0f} µs at p50 = {ratios['preview_p50_vs_result_text']}x "
+          f"encoding the whole result as JSON ({encode.p50_ms * 1e3:.0f} µs); a recall page "
+          f"({recalled['count']} items, {page} characters at most) "
+          f"{ratios['recall_p50_vs_result_text']}x")
+    print(f"transform {TRANSFORM_EXPRESSION!r}: {transformed.p50_ms * 1e3:.0f} µs at p50 = "
+          f"{ratios['transform_p50_vs_jmespath']}x a precompiled jmespath.search")
+    print(f"injection until stored: over NATS p50 {over_nats.p50_ms:.2f} ms = "
+          f"{ratios['inject_nats_p50_vs_js_publish']}x one raw JetStream publish+ack; over "
+          f"HTTP p50 {over_http.p50_ms:.2f} ms = {ratios['inject_http_p50_vs_js_publish']}x "
+          f"({ratios['inject_http_p50_vs_nats']}x over NATS); failures: {failures}; load at "
+          f"end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
     return 0 if failures == 0 else 1
 
 

@@ -24,7 +24,14 @@ from bus.eventlog import EventLog
 from bus.subjects import approval_subject
 from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
 from schemas.errors import RpcError, ToolbusError
-from schemas.events import RequestRejected, TurnCompleted, TurnFailed, encode_event, summarize
+from schemas.events import (
+    RequestRejected,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+    encode_event,
+    summarize,
+)
 from schemas.ids import check_session_id, check_tool_name
 from schemas.state import SessionState, encode_state, fold
 from services.config import (
@@ -173,6 +180,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "store), not its reference")
     _add_nats(p)
 
+    p = sub.add_parser("inject", help="hand a session data as if a tool had fetched it (a "
+                                      "tool event); the model sees it from its next turn")
+    p.add_argument("session")
+    p.add_argument("tool_id", help="a namespace:name label, e.g. injected:bank_statement "
+                                   "(need not be a real tool)")
+    p.add_argument("--result", required=True, metavar="JSON",
+                   help="what the tool returned, as JSON; - reads it from stdin")
+    p.add_argument("--arguments", default="{}", metavar="JSON",
+                   help="what it was called with, a JSON object (default {})")
+    p.add_argument("--key", default=None,
+                   help="idempotency key: the same key again stores nothing new (default: "
+                        "a new one, printed, to retry with)")
+    p.add_argument("--trigger", action="store_true",
+                   help="trigger_processing: start a turn of the agent now, cancelling the "
+                        "turn in flight (needs agent_config.model)")
+    p.add_argument("--timeout", type=_positive_float, default=30.0,
+                   help="seconds to wait for it to be stored (default 30)")
+    _add_nats(p)
+
     p = sub.add_parser("replay", help="a session's timeline and rebuilt state; runs no tool")
     p.add_argument("session")
     p.add_argument("--json", action="store_true", help="one event per line, then the state")
@@ -225,14 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(p)
 
     p = sub.add_parser("bench", help="benchmarks beside their floor, measured in the same run")
-    p.add_argument("what", choices=["calls", "validation", "mcp", "replay", "agent"])
+    p.add_argument("what", choices=["calls", "validation", "mcp", "replay", "agent",
+                                    "compress"])
     p.add_argument("--n", type=_positive_int, default=2000,
-                   help="calls (agent: turns) per phase (default 2000)")
+                   help="calls (agent: turns; compress: calls and injections) per phase "
+                        "(default 2000)")
     p.add_argument("--concurrency", type=_positive_int, default=32,
                    help="calls in flight (default 32)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
-                   help="calls, mcp, agent: start the measured `toolbus up` with --workers N "
-                        "(default: its own default, one process per core)")
+                   help="calls, mcp, agent, compress: start the measured `toolbus up` with "
+                        "--workers N (default: its own default, one process per core)")
     p.add_argument("--turns", type=_positive_int, default=None,
                    help="calls, agent: turns of the one long session (default 1000; agent: "
                         "100)")
@@ -274,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_chat(url, args))
             case "call":
                 return _run(_call(url, args))
+            case "inject":
+                return _run(_inject(url, args))
             case "replay":
                 return _run(_replay(url, args))
             case "state":
@@ -302,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from services.bench import bench_agent
                 return _run(bench_agent(n=args.n, turns=args.turns or 100, fsync=args.fsync,
                                         json_out=args.json, workers=args.workers))
+            case "bench" if args.what == "compress":
+                from services.bench import bench_compress
+                return _run(bench_compress(n=args.n, fsync=args.fsync, json_out=args.json,
+                                           workers=args.workers))
             case "bench":
                 from services.bench import bench_calls
                 return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
@@ -406,6 +440,18 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             print(f"  .. {_printable(body.get('tool'))} waits for a human: toolbus approve "
                   f"{_printable(body.get('call_id'))} --session {session}", file=sys.stderr,
                   flush=True)
+        elif kind == "result.compressed":
+            how = f"stored as {body.get('key')}" if body.get("key") else "transformed"
+            print(f"  .. {_printable(body.get('call_id'))}: {body.get('chars')} characters, "
+                  f"{_printable(how)}; the model reads {len(str(body.get('view', '')))}",
+                  file=sys.stderr, flush=True)
+        elif kind.startswith("tool_event.injected"):
+            print(f"  ++ tool event {_printable(body.get('tool_id'))} injected "
+                  f"({_printable(body.get('event_id'))})", file=sys.stderr, flush=True)
+        elif kind == "turn.cancelled":
+            print(f"  xx turn {_printable(body.get('turn_id'))} cancelled: "
+                  f"{_printable(str(body.get('message', ''))[:200])}", file=sys.stderr,
+                  flush=True)
 
     code = EXIT_OK
     try:
@@ -434,6 +480,10 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             elif isinstance(end, TurnFailed):
                 print(f"\ntoolbus: the turn failed ({end.reason}): {_printable(end.message)}",
                       file=sys.stderr)
+                code = EXIT_CALL_FAILED
+            elif isinstance(end, TurnCancelled):
+                print(f"\ntoolbus: the turn was cancelled ({end.reason}): "
+                      f"{_printable(end.message)}", file=sys.stderr)
                 code = EXIT_CALL_FAILED
             else:
                 print(f"toolbus: the message was refused ({end.reason}): {end.message}",
@@ -499,6 +549,52 @@ async def _call(url: str, args: argparse.Namespace) -> int:
     elif isinstance(end, TurnFailed):
         print(f"toolbus: turn failed ({end.reason}): {end.message}", file=sys.stderr)
     return EXIT_CALL_FAILED
+
+
+async def _inject(url: str, args: argparse.Namespace) -> int:
+    from bus.client import ToolbusClient
+    from schemas.errors import InvalidRequestError
+    from schemas.requests import DEFAULT_MAX_REQUEST_BYTES, parse_tool_event
+
+    sid = check_session_id(args.session)
+    # Bounded: a tool event over the limit is refused below, whatever its length.
+    raw = sys.stdin.buffer.read(DEFAULT_MAX_REQUEST_BYTES + 1) if args.result == "-" \
+        else args.result.encode()
+    values: dict[str, Any] = {}
+    for flag, text in (("--result", raw), ("--arguments", args.arguments.encode())):
+        try:
+            values[flag] = msgspec.json.decode(text)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            where = " (read from stdin)" if flag == "--result" and args.result == "-" else ""
+            print(f"toolbus: {flag}{where} is not valid JSON: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    key = args.key
+    if key is None:
+        key = uuid.uuid4().hex
+        print(f"key: {key} (to retry without injecting twice: --key {key})", file=sys.stderr)
+    body = {"tool_id": args.tool_id, "arguments": values["--arguments"],
+            "result": values["--result"], "idempotency_key": key,
+            "trigger_processing": args.trigger}
+    # Checked before connecting: what is wrong with it is a usage error, server or not.
+    tool_event = parse_tool_event(_json.encode(body))
+    bus = await connect(url, name="toolbus-inject")
+    client = ToolbusClient(bus)
+    try:
+        got = await client.inject(sid, tool_event.tool_id, tool_event.result,
+                                  arguments=tool_event.arguments,
+                                  idempotency_key=tool_event.idempotency_key,
+                                  trigger_processing=tool_event.trigger_processing,
+                                  timeout=args.timeout)
+    except InvalidRequestError as exc:  # the session actor refused it
+        print(f"toolbus: tool event refused ({exc.reason}): {exc.message}", file=sys.stderr)
+        return EXIT_CALL_FAILED
+    finally:
+        await client.close()
+        await bus.close()
+    what = "new" if got.created else "already injected with this key: nothing new stored"
+    turn = f", turn {got.turn_id}" if got.turn_id else ""
+    sys.stdout.write(f"{got.event_id} seq {got.seq}{turn} ({what})\n")
+    return EXIT_OK
 
 
 async def _replay(url: str, args: argparse.Namespace) -> int:

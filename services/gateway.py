@@ -2,6 +2,10 @@
 speak NATS. Every route is a thin mapping onto the bus; nothing here holds state.
 
     POST /sessions/{sid}/requests      body: a request (README) -> 202 {request_id, turn_id}
+    POST /sessions/{sid}/tool_events   body: a tool event (seed 000) -> 201 {session_id,
+                                       event_id, seq, turn_id} | 200 the same ids, its
+                                       idempotency_key seen before | 400/413 bad body,
+                                       nothing published | 409 refused (no planner)
     GET  /sessions/{sid}/state         the session actor's live state (`?full=1`: results
                                        stored by reference put back in)
     GET  /approvals                    calls waiting for a human
@@ -66,7 +70,7 @@ from schemas.errors import (
 )
 from schemas.ids import TOKEN_RULE, check_session_id, is_token
 from schemas.policy import HumanDecision, PendingApproval
-from schemas.requests import decode_json
+from schemas.requests import MAX_IDEMPOTENCY_KEY_CHARS, decode_json, parse_tool_event
 from schemas.state import SessionState, encode_state
 
 log = logging.getLogger("toolbus.gateway")
@@ -84,6 +88,9 @@ _APPROVERS: Final = frozenset({"approver", "admin"})
 
 _STATUS_OF_CODE = {"invalid": 400, "not_found": 404, "conflict": 409, "too_large": 413,
                    "unavailable": 503, "internal": 500}
+
+# A tool event refused, by its reason (`InvalidRequestError.reason`): 400 otherwise.
+_TOOL_EVENT_STATUS = {"payload_too_large": 413, "no_planner": 409}
 
 _SCHEMAS: Final = "#/components/schemas/{name}"
 
@@ -284,7 +291,8 @@ class Failure(pydantic.BaseModel):
     error: str = pydantic.Field(description="what was wrong and what to do")
     code: str | None = pydantic.Field(
         None, description="from the bus: invalid, not_found, conflict, too_large, "
-                          "unavailable, internal")
+                          "unavailable, internal; for a tool event, why it was refused: "
+                          "invalid_request, malformed_json, payload_too_large, no_planner")
 
 
 class Accepted(pydantic.BaseModel):
@@ -294,6 +302,40 @@ class Accepted(pydantic.BaseModel):
                                               "request_id")
     duplicate: bool = pydantic.Field(description="true if this request_id was seen before "
                                                  "(nothing new was started)")
+
+
+class ToolEvent(pydantic.BaseModel):
+    """Data the agent treats as if a tool had fetched it (seed 000): what a NATS client
+    publishes on `toolbus.req.<sid>.tool_events`. Control characters (but tab and newline)
+    are removed from every string before it is stored. Seen by the model from the
+    session's next turn on."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    tool_id: str = pydantic.Field(
+        pattern=r"^[A-Za-z0-9_-]{1,128}:[A-Za-z0-9_-]{1,128}$",
+        description="a namespace:name label, e.g. injected:bank_statement; it need not "
+                    "name a real tool")
+    arguments: dict[str, Any] = pydantic.Field(
+        default_factory=dict, description="what the tool was called with, for the record")
+    result: Any = pydantic.Field(description="what the tool returned: any JSON")
+    idempotency_key: str = pydantic.Field(
+        min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        description="the same key again stores nothing and answers the first event's ids")
+    trigger_processing: bool = pydantic.Field(
+        False, description="start a turn of the agent now, cancelling any turn in flight "
+                           "(needs agent_config.model)")
+
+
+class Injected(pydantic.BaseModel):
+    ok: Literal[True] = True
+    session_id: str
+    event_id: str = pydantic.Field(description="derived from the idempotency_key")
+    seq: int = pydantic.Field(description="the stream sequence of its tool_event.injected")
+    turn_id: str | None = pydantic.Field(description="the turn it started "
+                                                     "(trigger_processing), else null")
+    created: bool = pydantic.Field(description="false when the key had been injected "
+                                               "before (answered with 200)")
 
 
 class DecisionTaken(pydantic.BaseModel):
@@ -357,7 +399,8 @@ def _json(schema: dict[str, Any], description: str, **extra: Any) -> dict[str, A
 def _failures(*statuses: int) -> dict[int | str, dict[str, Any]]:
     what = {400: "a bad id, Host or body", 401: "no valid bearer token",
             403: "a web page's Origin, or a role without the right",
-            404: "not found", 409: "already decided", 413: "body too large",
+            404: "not found", 409: "already decided, or refused by the session",
+            413: "body too large",
             415: "not JSON", 503: "the bus did not answer"}
     return {s: {"model": Failure, "description": what[s]} for s in (400, 401, *statuses)}
 
@@ -382,6 +425,8 @@ class _Gateway(FastAPI):
                 ref_template=_SCHEMAS.replace("{name}", "{model}"))
             schemas.update(request.pop("$defs", {}))
             schemas["ToolRequest"] = request
+            schemas["ToolEvent"] = ToolEvent.model_json_schema(
+                ref_template=_SCHEMAS.replace("{name}", "{model}"))
             self.openapi_schema = doc
         return self.openapi_schema
 
@@ -460,6 +505,35 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
             return _error(503, str(exc))
         return JSONResponse({"ok": True, "request_id": request_id, "turn_id": sub.turn_id,
                              "duplicate": sub.duplicate}, status_code=202)
+
+    @app.post("/sessions/{sid}/tool_events", status_code=201, response_model=Injected,
+              summary="Inject a tool event", openapi_extra=_body("ToolEvent"),
+              responses={200: {"model": Injected, "description": "its idempotency_key was "
+                               "injected before: the first event's ids, nothing new"},
+                         **_failures(403, 409, 413, 415, 503)})
+    async def inject(sid: Sid, request: Request, role: AnyRole) -> Response:
+        try:
+            check_session_id(sid)
+        except InvalidIdError as exc:
+            return _error(400, str(exc))
+        body, _ = await _json_body(request)
+        # Checked here, unlike a request: a bad tool event is refused with nothing
+        # published, so the caller learns at once (and the session's log stays clean).
+        try:
+            tool_event = parse_tool_event(body)
+            got = await client.inject(
+                sid, tool_event.tool_id, tool_event.result, arguments=tool_event.arguments,
+                idempotency_key=tool_event.idempotency_key,
+                trigger_processing=tool_event.trigger_processing)
+        except InvalidRequestError as exc:
+            status = _TOOL_EVENT_STATUS.get(exc.reason, 400)
+            return JSONResponse({"ok": False, "error": exc.message, "code": exc.reason},
+                                status_code=status)
+        except ToolbusError as exc:
+            return _error(503, str(exc))
+        return JSONResponse({"ok": True, "session_id": sid, "event_id": got.event_id,
+                             "seq": got.seq, "turn_id": got.turn_id, "created": got.created},
+                            status_code=201 if got.created else 200)
 
     @app.get("/sessions/{sid}/state", summary="A session's live state",
              responses={200: _json({"$ref": _SCHEMAS.format(name="SessionState")},

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from actors.approval import ApprovalActor
+from actors.compressor import CONTEXT_STATUS, RECALL
 from actors.executor import Executor, default_instance_name
 from actors.janitor import Janitor
 from actors.mcp_connector import McpConnector
@@ -135,6 +136,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
             raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
     if "planner" in kinds and settings.manifest is not None:  # latent tools run there
         _add_served(served, [t.name for t in settings.manifest.tools.latent])
+        _add_served(served, [RECALL, CONTEXT_STATUS])  # the context tools run there too
     if "executors" in kinds or "mcp" in kinds:
         try:
             check_tool_refs(settings, served, complete="executors" in kinds
@@ -175,6 +177,8 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
 async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
     """The planner of the manifest's `agent_config`, with its own view of the catalog."""
     from actors.agent_tools import AgentExecutor, agent_profiles
+    from actors.compressor import Compression, Compressor
+    from actors.context_tools import ContextExecutor
     from actors.latent import LatentExecutor, latent_spec
     from actors.llm.types import ModelSettings
     from actors.planner import Planner, Rules
@@ -187,9 +191,12 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
                           api_key=m.api_key, temperature=m.temperature,
                           max_tokens=m.max_tokens, timeout_s=m.timeout_s,
                           max_retries=m.max_retries)
+    compression = Compression(
+        default=agent.context.compression,
+        agents={n: a.compression for n, a in agent.agents.items() if a.compression})
     catalog = Catalog(bus)
     await catalog.start()
-    planner = Planner(bus, catalog, model, rules=Rules.of(agent),
+    planner = Planner(bus, catalog, model, rules=Rules.of(agent), compression=compression,
                       agents=agent_profiles(agent, default=model),
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
@@ -206,44 +213,44 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
     latent = LatentExecutor(bus, specs, model,
                             max_output_retries=agent.limits.max_argument_retries,
                             ack_wait_s=settings.ack_wait_s) if specs else None
+    # The compressor (large results -> previews) and the context tools (recall,
+    # context-status) read the session the planner plans, with its budgets.
+    helpers: list[Any] = [h for h in (runner, latent) if h is not None]
+    helpers += [Compressor(bus, compression, ack_wait_s=settings.ack_wait_s),
+                ContextExecutor(bus, compression, max_iterations=agent.limits.max_iterations,
+                                instance=f"{settings.instance or default_instance_name()}"
+                                         "-context", ack_wait_s=settings.ack_wait_s)]
+    started: list[Any] = []
     try:
         await planner.start()
-        if runner is not None:
-            await runner.start()
-        if latent is not None:
-            try:
-                await latent.start()
-            except BaseException:
-                if runner is not None:
-                    await runner.stop()
-                raise
+        started.append(planner)
+        for helper in helpers:
+            await helper.start()
+            started.append(helper)
     except BaseException:
-        await planner.stop()
+        for done in reversed(started):
+            await done.stop()
         await catalog.stop()
         raise
-    return _PlannerWithCatalog(planner, catalog, runner, latent)
+    return _PlannerWithCatalog(planner, catalog, helpers)
 
 
 class _PlannerWithCatalog:
-    def __init__(self, planner: Any, catalog: Catalog, runner: Any = None,
-                 latent: Any = None) -> None:
+    def __init__(self, planner: Any, catalog: Catalog, helpers: Sequence[Any] = ()) -> None:
         self.planner = planner
         self.catalog = catalog
-        self.runner = runner  # the executor of `agent:<name>` (AgentExecutor), if any
-        self.latent = latent  # the executor of the latent tools (LatentExecutor), if any
+        # Beside the planner: the executors of `agent:<name>` and of the latent tools, if
+        # any; the compressor; the context tools' executor.
+        self.helpers = list(helpers)
 
     async def start(self) -> None:
         await self.planner.start()
-        if self.runner is not None:
-            await self.runner.start()
-        if self.latent is not None:
-            await self.latent.start()
+        for helper in self.helpers:
+            await helper.start()
 
     async def stop(self, grace: float = 5.0) -> None:
-        if self.latent is not None:
-            await self.latent.stop(grace)
-        if self.runner is not None:
-            await self.runner.stop(grace)
+        for helper in reversed(self.helpers):
+            await helper.stop(grace)
         await self.planner.stop(grace)
         await self.catalog.stop()
 

@@ -104,3 +104,11 @@ async def write_auto(text: str) -> dict[str, str]:
 async def blob(size: int, fill: str = "x") -> str:
     """A text result of `size` characters: results of any size, for the size limits."""
     return fill[:1] * size
+
+
+@tool("testing:list_commits", read_only=True)
+def list_commits(repo: str = "tylerjrbuell/reactive-agents-ts") -> list[dict[str, object]]:
+    """A repository's last 30 commits, as GitHub's MCP server lists them (31,863 chars)."""
+    from tests.github import COMMITS
+
+    return COMMITS

@@ -1,5 +1,6 @@
-"""MCP fixtures for the connector and link tests: real MCP servers (the `mcp` SDK's
-MCPServer) over streamable HTTP, SSE and stdio, and a connector serving all three."""
+"""Fixtures of the actor tests: real MCP servers (the `mcp` SDK's MCPServer) over
+streamable HTTP, SSE and stdio, and a connector serving all three; a local HTTP server
+speaking the OpenAI Chat Completions API with scripted replies (`model`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from schemas.events import TurnCompleted, TurnFailed
+from tests.actors.test_planner import ScriptedChat
 from tests.mcp_servers import SampleServer, http_config, mcp_config, stdio_command
 
 
@@ -55,3 +57,10 @@ async def connector(bus: Bus, system: dict[str, Any],
         await catalog._specs.wait_until(lambda items, i=i: f"{i}.search_cars" in items, 5)
     yield c
     await c.stop()
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[ScriptedChat]:
+    server = await ScriptedChat().start()
+    yield server
+    await server.stop()

@@ -508,3 +508,38 @@ async def test_a_malformed_traceparent_is_not_copied_onto_events(bus: Bus, sid: 
         msg = await bus.js.get_msg("TOOLBUS_EVENTS", s.seq, direct=True)
         sizes.append(len((msg.headers or {}).get("traceparent", "")))
     assert sizes and max(sizes) == 0
+
+
+async def test_a_message_whose_handler_never_finishes_is_rejected_after_redeliveries(
+        bus: Bus, sid: str) -> None:
+    # A handler that dies with its process each time looks, to the server, like one that
+    # never acks: after twice the deliveries allowed, the kernel stores a rejection
+    # instead of handling it again (a crash loop would otherwise never end).
+    durable = f"t-dies-{uuid.uuid4().hex[:8]}"
+    handled: list[int] = []
+
+    async def dies(delivery: Delivery) -> None:
+        handled.append(delivery.num_delivered)  # and never acks
+
+    kernel = Kernel(bus, "dying", max_deliveries=1)
+    kernel.add(Inbox(ConsumerSpec(EVENTS_STREAM, durable,
+                                  (event_subject(sid, "turn.requested"),), ack_wait_s=0.3),
+                     dies, lambda d, reason, message: [kernel.generic_rejection(
+                         d, reason, message)]))
+    await kernel.start()
+    try:
+        await EventLog(bus).append(Append(TurnRequested(
+            session_id=sid, at=1.0, actor="test", turn_id="t1", request_id="t1",
+            call_ids=[]), f"{sid}:t1:requested"))
+        async with EventWatch(bus, sid) as w:
+            events = await w.until(lambda evs: any(
+                isinstance(e, RequestRejected) and e.actor == "dying" for e in evs),
+                timeout=20)
+        (rejected,) = [e for e in events if isinstance(e, RequestRejected)]
+        assert rejected.reason == "redelivered" and "3 times" in rejected.message
+        assert handled == [1, 2]
+        info = await _consumer_drained(bus, EVENTS_STREAM, durable)
+        assert (info.num_ack_pending, info.num_pending) == (0, 0), info
+    finally:
+        await kernel.stop()
+        await bus.js.delete_consumer(EVENTS_STREAM, durable)

@@ -116,13 +116,6 @@ def reply(text: str | None = None, calls: list[tuple[str, str, dict[str, Any]]] 
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[ScriptedChat]:
-    server = await ScriptedChat().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
                   ) -> AsyncIterator[Planner]:
     settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",

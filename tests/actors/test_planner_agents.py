@@ -33,13 +33,6 @@ WRITER = "You write things down, and say what you wrote."
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[ScriptedChat]:
-    server = await ScriptedChat().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
                   ) -> AsyncIterator[Any]:
     """The planner as `toolbus up` starts it (services/runtime.py), with one named agent,
@@ -148,7 +141,8 @@ async def test_a_child_turn_that_fails_fails_the_call_naming_the_child(
 
 async def test_a_redelivered_agent_call_reattaches_to_the_same_child_turn(
         bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str) -> None:
-    from actors.agent_tools import AgentTool, _dispatch, agent_tool_spec
+    from actors.agent_tools import AgentTool, agent_tool_spec
+    from actors.executor import current_dispatch
     from schemas.events import CallDispatched
     from schemas.manifest import AgentDef
 
@@ -166,11 +160,11 @@ async def test_a_redelivered_agent_call_reattaches_to_the_same_child_turn(
     (dispatched,) = [s.event for s in await EventLog(bus).read_session(sid)
                      if isinstance(s.event, CallDispatched)]
     tool = AgentTool(agent_tool_spec("writer", AgentDef(instructions=WRITER)), "writer", bus)
-    token = _dispatch.set(dispatched)
+    token = current_dispatch.set(dispatched)
     try:
         again = await tool.run({"message": "Say hi."})
     finally:
-        _dispatch.reset(token)
+        current_dispatch.reset(token)
     assert again == {"agent": "writer", "session": child, "answer": "hi"}
     assert len(model.received) == asked  # no second child turn, no model call
     child_events = [s.event for s in await EventLog(bus).read_session(child)]
@@ -200,3 +194,18 @@ def test_a_turn_of_a_named_agent_is_planned_with_its_model_and_rules() -> None:
     assert (asked.event.provider, asked.event.model) == ("anthropic", "small")
     (plain,) = decide(state, offer, now=1.0, agents={"other": writer})
     assert isinstance(plain.event, ModelRequested) and plain.event.model == "main"
+
+
+def test_a_named_agent_may_have_a_mode_of_its_own() -> None:
+    from actors.agent_tools import agent_profiles
+
+    config = parse_manifest(
+        "agent_config:\n"
+        "  model: {provider: openai, model: big}\n"
+        "  agents:\n"
+        "    small: {instructions: Be small., mode: composed,\n"
+        "            model: {provider: openai, model: tiny}}\n"
+        "    same: {instructions: Be the same.}\n", env={}).agent_config
+    profiles = agent_profiles(config)
+    assert profiles["small"].rules.mode == "composed"
+    assert profiles["same"].rules.mode == config.mode == "native"

@@ -55,13 +55,6 @@ async def _composed_planner(bus: Bus, system: dict[str, Any], model: ScriptedCha
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[ScriptedChat]:
-    server = await ScriptedChat().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def composed(bus: Bus, system: dict[str, Any], model: ScriptedChat
                    ) -> AsyncIterator[Planner]:
     p = await _composed_planner(bus, system, model, Rules(instructions="Be brief.",

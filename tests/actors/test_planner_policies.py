@@ -46,7 +46,7 @@ from schemas.events import (
 from schemas.manifest import AgentConfig
 from schemas.state import SessionState, encode_state, evolve, fold
 from tests.actors.test_planner import ScriptedChat, reply
-from tests.conftest import REPO, assert_replay_equals_live, settled_state
+from tests.conftest import REPO, EventWatch, assert_replay_equals_live, settled_state
 
 # --- the CRM of seed 000's example --------------------------------------------------------
 
@@ -76,13 +76,6 @@ async def crm(bus: Bus, system: dict[str, Any]) -> AsyncIterator[Executor]:
         lambda items: {"crm.authenticate_customer", "crm.get_balance"} <= set(items), 5)
     yield executor
     await executor.stop()
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[ScriptedChat]:
-    server = await ScriptedChat().start()
-    yield server
-    await server.stop()
 
 
 def agent(section: dict[str, Any]) -> Rules:
@@ -376,6 +369,55 @@ async def test_a_think_step_is_a_structured_call_whose_output_lands_in_the_state
     state = await settled_state(bus, client, sid)
     assert state.step_outputs == {"intent": {"intent": "balance"}}
     await replay_calls_no_model(bus, client, model, sid)
+
+
+async def test_a_request_may_give_think_steps_of_its_own(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    rules = agent({"instructions": "You are the bank's assistant."})
+    model.script = [
+        (200, reply(json.dumps({"intent": "balance"}))),
+        (200, reply("Let me look up your balance.")),
+    ]
+    body = {"request_id": "r-think", "message": "How much money do I have?",
+            "think": {"id": "intent", "instruction": "Classify what the customer wants.",
+                      "output_schema": INTENT}}
+    planner = await start(bus, system, model, rules)
+    try:
+        async with EventWatch(bus, sid) as watch:
+            await client.submit(sid, msgspec.json.encode(body), request_id="r-think")
+            events = await watch.until(lambda evs: any(
+                isinstance(e, TurnCompleted) for e in evs), timeout=30)
+    finally:
+        await planner.stop()
+    (end,) = [e for e in events if isinstance(e, TurnCompleted)]
+    assert end.text == "Let me look up your balance."
+    think, chat = model.received
+    assert think["response_format"]["json_schema"]["schema"] == INTENT
+    assert "Classify what the customer wants." in system_text(think)
+    assert '- intent: {"intent":"balance"}' in system_text(chat)
+    state = await settled_state(bus, client, sid)
+    assert state.step_outputs == {"intent": {"intent": "balance"}}
+    await replay_calls_no_model(bus, client, model, sid)
+
+
+@pytest.mark.parametrize(("think", "says"), [
+    ({"id": "x", "instruction": "Do.", "output_schema": {"type": "nope"}}, "output_schema"),
+    ({"id": "a b", "instruction": "Do.", "output_schema": {}}, "think[0].id"),
+    ([], "non-empty list"),
+    ({"id": "x", "instruction": "", "output_schema": {}}, "instruction"),
+])
+def test_a_bad_think_step_in_a_request_is_refused_naming_it(think: Any, says: str) -> None:
+    from schemas.errors import InvalidRequestError
+    from schemas.requests import parse_request
+
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(msgspec.json.encode({"message": "hi", "think": think}))
+    assert says in info.value.message
+    with pytest.raises(InvalidRequestError, match="think steps need a message"):
+        parse_request(msgspec.json.encode({"calls": [{"tool": "built-in:echo"}],
+                                           "think": {"id": "x", "instruction": "Do.",
+                                                     "output_schema": {}}}))
 
 
 async def test_a_think_step_that_never_fits_its_schema_ends_the_turn(

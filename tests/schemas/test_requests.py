@@ -68,3 +68,17 @@ def test_turn_ids_are_token_safe_and_deterministic() -> None:
     long_id = turn_id_for("order 42 / retry")
     assert long_id == turn_id_for("order 42 / retry")
     check_session_id(long_id)
+
+
+def test_injected_strings_lose_control_and_invisible_format_characters() -> None:
+    import sys
+    import unicodedata
+
+    from schemas.requests import strip_controls
+
+    every_cf = "".join(chr(c) for c in range(sys.maxunicode)
+                       if unicodedata.category(chr(c)) == "Cf")
+    # Only the joiners scripts and emoji need are kept.
+    assert strip_controls(every_cf) == "\u200c\u200d"
+    hidden = "pay\u202e\U000E0041\U000E0042 now\u200b\x07\x1b[31m\tok\n"
+    assert strip_controls({"k\u2066ey": [hidden]}) == {"key": ["pay now[31m\tok\n"]}

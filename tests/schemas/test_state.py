@@ -22,6 +22,9 @@ from schemas.events import (
     ErrorInfo,
     Event,
     RequestRejected,
+    ResultCompressed,
+    ToolEventInjected,
+    TurnCancelled,
     TurnCompleted,
     TurnFailed,
     TurnRequested,
@@ -84,6 +87,19 @@ events: st.SearchStrategy[Event] = st.one_of(
               ok=st.booleans(), outcomes=st.lists(outcome, max_size=2)),
     st.builds(TurnFailed, **common, turn_id=turn_ids, request_id=st.text(max_size=5),
               reason=st.text(max_size=5), message=st.text(max_size=10)),
+    st.builds(TurnCancelled, **common, turn_id=turn_ids, request_id=st.text(max_size=5),
+              reason=st.just("superseded"), message=st.text(max_size=10),
+              by=st.none() | st.text(max_size=5)),
+    st.builds(ResultCompressed, **common, call_id=call_ids, turn_id=turn_ids,
+              tool=st.just("ns:t"), chars=st.integers(0, 10**6), budget=st.integers(1, 900),
+              view=st.text(max_size=20),
+              key=st.none() | st.sampled_from(["_tool_result_1", "_tool_result_2"]),
+              transform=st.none() | st.text(max_size=8),
+              transform_error=st.none() | st.text(max_size=8)),
+    st.builds(ToolEventInjected, **common, event_id=st.sampled_from(["te-1", "te-2"]),
+              tool_id=st.just("crm:note"), arguments=json_values, result=json_values,
+              idempotency_key=st.sampled_from(["k1", "k2"]),
+              trigger_processing=st.booleans(), turn_id=st.none() | turn_ids),
     st.builds(RequestRejected, **common, reason=st.text(max_size=5),
               message=st.text(max_size=10), request_id=st.none() | st.text(max_size=5)),
 )
@@ -97,7 +113,7 @@ def test_every_event_round_trips_through_encode_and_decode(event: Event) -> None
 
 def test_every_event_type_is_covered_by_the_strategy() -> None:
     tags = {t.__struct_config__.tag for t in EVENT_TYPES}
-    assert len(tags) == len(EVENT_TYPES) == 14
+    assert len(tags) == len(EVENT_TYPES) == 17
 
 
 @settings(max_examples=300)

@@ -148,6 +148,52 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
                                    "flat_met"}
 
 
+
+def test_bench_compress_reports_compression_beside_json_and_injection_beside_the_raw_floor(
+) -> None:
+    report = _report("compress", "--n", "20")
+    _assert_machine(report)
+    assert report["failures"] == 0 and report["n"] == 20
+    result = report["result"]
+    assert set(result) == {"chars", "items", "preview_chars", "preview_budget",
+                           "preview_items", "recall_chars", "recall_budget", "recall_items",
+                           "transform"}
+    assert (result["chars"], result["items"], result["preview_items"]) == (31_863, 30, 3)
+    assert 0 < result["preview_chars"] <= result["preview_budget"] == 800
+    assert result["recall_budget"] == 4000 and result["recall_items"] >= 1
+    rows = report["rows"]
+    encode, search = "compress.result_text (JSON)", "jmespath.search, precompiled"
+    nats_inject, http_inject = "inject over NATS", "inject over HTTP (gateway)"
+    assert [r["name"] for r in rows] == [
+        encode, "compress.preview (800 chars)", "compress.recall (4000 chars)", search,
+        "compress.transform", JS, RR, nats_inject, http_inject]
+    assert all(r["n"] == 20 and r["concurrency"] == 1 for r in rows)
+    latency = {("p50", "p50"), ("p99", "p50")}
+
+    def against(floor: str) -> set[tuple[str, str, str]]:
+        return {(mine, floor, theirs) for mine, theirs in latency}
+
+    assert _vs(rows[1]) == _vs(rows[2]) == against(encode)
+    assert _vs(rows[4]) == against(search)
+    assert _vs(rows[7]) == against(JS)
+    assert _vs(rows[8]) == against(JS) | against(nats_inject)
+    assert set(report["ratios"]) == {
+        "preview_p50_vs_result_text", "recall_p50_vs_result_text", "transform_p50_vs_jmespath",
+        "inject_nats_p50_vs_js_publish", "inject_http_p50_vs_js_publish",
+        "inject_http_p50_vs_nats"}
+
+    out = run_toolbus("bench", "compress", "--n", "10", timeout=150)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("toolbus bench compress: load ") and " CPUs" in lines[0]
+    assert "31,863-character 30-item list_commits result" in lines[0]
+    preview = next(ln for ln in lines if ln.startswith("compress.preview"))
+    assert f"{encode} [1] p50" in preview and "x" in preview
+    http = next(i for i, ln in enumerate(lines) if ln.startswith(http_inject))
+    assert f"{JS} [1] p50" in lines[http] and f"{nats_inject} [1] p50" in lines[http + 1]
+    assert lines[-1].startswith("injection until stored: over NATS p50 ")
+    assert "failures: 0" in lines[-1]
+
 async def test_the_sample_model_server_calls_echo_for_a_user_message_then_answers_the_result(
 ) -> None:
     """What the agent benchmark relies on, through the planner's own provider layer:

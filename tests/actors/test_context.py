@@ -1,0 +1,316 @@
+"""What the model reads (issue 13): large results as previews, `recall`, `_transform`,
+`context-status`, and tool events injected into a session, against a real local HTTP
+server speaking the OpenAI Chat Completions API with scripted replies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.compressor import Compression, Compressor
+from actors.context_tools import ContextExecutor
+from actors.llm.types import ModelSettings
+from actors.planner import Planner
+from bus.artifacts import ArtifactStore
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from bus.eventlog import EventLog
+from bus.subjects import REQUESTS_PREFIX
+from schemas.events import (
+    CallFailed,
+    CallSucceeded,
+    ResultCompressed,
+    ToolEventInjected,
+    TurnCancelled,
+    TurnCompleted,
+)
+from schemas.ids import client_request_id, tool_event_id
+from tests.actors.test_planner import ScriptedChat, reply
+from tests.conftest import EventWatch, of_type, run_toolbus
+from tests.github import COMMITS
+
+TOOLS = ("built-in:", "testing:list_commits", "testing:sleep", "testing:append_line")
+
+
+@pytest.fixture
+async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
+                  ) -> AsyncIterator[Planner]:
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    compression = Compression()
+    p = Planner(bus, system["catalog"], settings, instructions="Be brief.",
+                tools=lambda spec: spec.name.startswith(TOOLS), compression=compression)
+    compressor = Compressor(bus, compression)
+    context = ContextExecutor(bus, compression, instance="context-test", ack_wait_s=5.0)
+    await compressor.start()
+    await context.start()
+    await system["catalog"].wait_for_instance("context-test", timeout=5)
+    await p.start()
+    yield p
+    await p.stop()
+    await context.stop()
+    await compressor.stop()
+
+
+def tool_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in body["messages"] if m["role"] == "tool"]
+
+
+async def test_a_large_result_reaches_the_model_as_a_preview_and_recall_reads_the_rest(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str, nats_url: str) -> None:
+    whole = msgspec.json.encode(COMMITS).decode()
+    assert 30_000 <= len(whole) <= 32_000
+    model.script = [
+        (200, reply(calls=[("c1", "testing__list_commits", {})])),
+        (200, reply(calls=[("c2", "built-in__recall", {"key": "_tool_result_1"})])),
+        (200, reply(calls=[("c3", "built-in__recall",
+                            {"key": "_tool_result_1", "path": "[29].sha"})])),
+        (200, reply("The last commit is known.")),
+    ]
+    end = await client.ask(sid, "What changed lately?", timeout=30)
+    assert isinstance(end, TurnCompleted) and end.text == "The last commit is known.", end
+
+    # The model read a preview within the budget, in the seed's shape, never the whole.
+    (shown,) = tool_messages(model.received[1])
+    preview = shown["content"]
+    assert len(preview) <= 800
+    assert preview.startswith("[STORED: _tool_result_1 | testing:list_commits]")
+    assert "Type: Array(30)" in preview and "commit.message" in preview
+    assert "27 more" in preview and 'recall("_tool_result_1")' in preview
+    assert COMMITS[29]["sha"] not in json.dumps(model.received[1])
+    # recall pages within the budget; the first page starts at item 0.
+    page = json.loads(tool_messages(model.received[2])[-1]["content"])
+    assert page["key"] == "_tool_result_1" and page["offset"] == 0
+    assert page["total"] == 30 and page["items"] == COMMITS[:page["count"]]
+    assert len(tool_messages(model.received[2])[-1]["content"]) <= 4000  # recall_budget
+    last = json.loads(tool_messages(model.received[3])[-1]["content"])
+    assert COMMITS[29]["sha"] in json.dumps(last)
+
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    (compressed,) = [e for e in events if isinstance(e, ResultCompressed)]
+    assert compressed.key == "_tool_result_1" and compressed.chars == len(whole)
+    assert compressed.view == preview
+    # The whole result stays in its call's event; the compressor added a view only.
+    (listed,) = [e for e in events if isinstance(e, CallSucceeded)
+                 and e.call_id == compressed.call_id]
+    assert listed.result == COMMITS
+
+    # Replay shows the compression and the recalls, and asks no model (the client
+    # fixture checks that the replayed state, views and keys included, equals the live).
+    asked = len(model.received)
+    replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats", nats_url)
+    assert replay.returncode == 0, replay.stderr
+    out = replay.stdout
+    assert "result.compressed" in out and "stored as _tool_result_1" in out
+    assert out.count("built-in:recall") >= 2
+    assert len(model.received) == asked
+
+
+async def test_recall_pages_reassemble_the_whole_result(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    model.script = [(200, reply(calls=[("c1", "testing__list_commits", {})])),
+                    (200, reply("Listed."))]
+    end = await client.ask(sid, "List commits.", timeout=30)
+    assert isinstance(end, TurnCompleted)
+    items: list[Any] = []
+    offset: int | None = 0
+    turn = 1
+    while offset is not None and turn < 40:
+        turn += 1
+        model.script = [(200, reply(calls=[(f"r{turn}", "built-in__recall",
+                                            {"key": "_tool_result_1", "offset": offset})])),
+                        (200, reply("Read a page."))]
+        end = await client.ask(sid, "Read on.", timeout=30)
+        assert isinstance(end, TurnCompleted)
+        page = json.loads(tool_messages(model.received[-1])[-1]["content"])
+        items += page["items"]
+        offset = page["next_offset"]
+    assert items == COMMITS
+
+
+async def test_transform_gives_the_model_exactly_the_selected_fields(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    selected = "[:3].{sha: sha, msg: commit.message}"
+    model.script = [
+        (200, reply(calls=[("c1", "testing__list_commits", {"_transform": selected}),
+                           ("c2", "testing__list_commits", {"_transform": "[0.sha"})])),
+        (200, reply("Three commits.")),
+    ]
+    end = await client.ask(sid, "The last three commits?", timeout=30)
+    assert isinstance(end, TurnCompleted), end
+    good, bad = tool_messages(model.received[1])
+    assert json.loads(good["content"]) == [
+        {"sha": c["sha"], "msg": c["commit"]["message"]} for c in COMMITS[:3]]
+    # A bad expression: the standard preview, and the error.
+    assert bad["content"].startswith("[STORED: _tool_result_1 | testing:list_commits]")
+    assert "_transform failed:" in bad["content"] and "[0.sha" in bad["content"]
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    views = {e.call_id: e for e in events if isinstance(e, ResultCompressed)}
+    assert len(views) == 2
+    assert sum(1 for v in views.values() if v.transform_error) == 1
+    # The tool ran with its own arguments: `_transform` is not one of them.
+    assert all("_transform" not in json.dumps(e.result) for e in events
+               if isinstance(e, CallSucceeded))
+
+
+async def test_context_status_tells_the_turns_budget_and_the_stored_keys(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [
+        (200, reply(calls=[("c1", "testing__list_commits", {})])),
+        (200, reply(calls=[("c2", "built-in__context-status", {})])),
+        (200, reply("Plenty left.")),
+    ]
+    end = await client.ask(sid, "How are we doing?", timeout=30)
+    assert isinstance(end, TurnCompleted), end
+    status = json.loads(tool_messages(model.received[2])[-1]["content"])
+    assert status["iterations"] == {"used": 2, "limit": 25, "left": 23}
+    assert status["tools_used"] == ["testing:list_commits"]
+    assert [k["key"] for k in status["stored_keys"]] == ["_tool_result_1"]
+    assert 0 < status["context"]["chars"] < 2000
+    assert status["context"]["estimated_tokens"] == -(-status["context"]["chars"] // 4)
+
+
+async def _inject(bus: Bus, sid: str, body: dict[str, Any]) -> str:
+    """A tool event as a program sends it over NATS; its event id."""
+    event_id = tool_event_id(sid, body["idempotency_key"])
+    await bus.js.publish(f"{REQUESTS_PREFIX}.{sid}.tool_events", msgspec.json.encode(body),
+                         headers={"Nats-Msg-Id": client_request_id(sid, event_id)})
+    return event_id
+
+
+async def test_an_event_injected_mid_turn_is_seen_from_the_next_turn_on(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str, nats_url: str) -> None:
+    model.script = [(200, reply("First answer."), 1.0), (200, reply("Second answer."))]
+    async with EventWatch(bus, sid) as watch:
+        first = asyncio.create_task(client.ask(sid, "Hello.", timeout=30))
+        await model.asked.wait()  # the first turn's model call is under way
+        event_id = await _inject(bus, sid, {
+            "tool_id": "injected:bank_statement", "arguments": {"month": "2026-10"},
+            "result": {"balance": 42, "note": "ok\u0007\u001b[31m\tdone\n"},
+            "idempotency_key": "statement-2026-10"})
+        await watch.until(lambda evs: bool(of_type(evs, "tool_event.injected")))
+        end = await first
+        assert isinstance(end, TurnCompleted) and end.text == "First answer."
+        assert "bank_statement" not in json.dumps(model.received[0])
+        second = await client.ask(sid, "And now?", timeout=30)
+        assert isinstance(second, TurnCompleted) and second.text == "Second answer."
+    messages = model.received[1]["messages"]
+    call = next(m for m in messages if m.get("tool_calls"))
+    assert call["tool_calls"][0]["id"] == event_id
+    assert call["tool_calls"][0]["function"]["name"] == "injected__bank_statement"
+    (result,) = tool_messages(model.received[1])
+    # Control characters stripped; tab and newline kept.
+    assert json.loads(result["content"]) == {"balance": 42, "note": "ok[31m\tdone\n"}
+    # It sits between the first turn and the second message, as stored.
+    roles = [m["role"] for m in messages]
+    assert roles == ["system", "user", "assistant", "assistant", "tool", "user"]
+    replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--nats", nats_url)
+    assert f"tool event {event_id} injected:bank_statement injected" in replay.stdout
+
+
+async def test_the_same_idempotency_key_twice_stores_one_event(
+        bus: Bus, client: ToolbusClient, planner: Planner, sid: str) -> None:
+    body = {"tool_id": "crm:note", "result": "called back", "idempotency_key": "note-1"}
+    first = await _inject(bus, sid, body)
+    again = await _inject(bus, sid, {**body, "result": "something else"})
+    assert first == again
+    await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
+    # Past the requests stream's duplicate window too: a new message, the same key.
+    await bus.js.publish(f"{REQUESTS_PREFIX}.{sid}.tool_events",
+                         msgspec.json.encode({**body, "result": "a third"}))
+    await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    (injected,) = [e for e in events if isinstance(e, ToolEventInjected)]
+    assert injected.event_id == first and injected.result == "called back"
+
+
+async def test_trigger_processing_cancels_the_turn_in_flight_and_starts_one(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str, tmp_path: Path) -> None:
+    out = tmp_path / "never.txt"
+    model.script = [
+        # The sleep runs; the append, with side effects, waits for it: not dispatched yet.
+        (200, reply(calls=[("c1", "testing__sleep", {"seconds": 1.0}),
+                           ("c2", "testing__append_line",
+                            {"path": str(out), "line": "should not run"})])),
+        (200, reply("I see the new statement.")),
+    ]
+    async with EventWatch(bus, sid) as watch:
+        first = asyncio.create_task(client.ask(sid, "Sleep, then write.", timeout=30))
+        await watch.until(lambda evs: bool(of_type(evs, "call.started")))
+        event_id = await _inject(bus, sid, {
+            "tool_id": "injected:bank_statement", "result": {"balance": 7},
+            "idempotency_key": "urgent-1", "trigger_processing": True})
+        end = await first
+        assert isinstance(end, TurnCancelled) and end.reason == "superseded"
+        assert end.by == event_id
+        events = await watch.until(lambda evs: any(
+            isinstance(e, TurnCompleted) for e in evs) and any(
+            isinstance(e, CallSucceeded) and e.call_id == end.turn_id + "-0" for e in evs))
+    # The running call finished and is recorded; the waiting one never ran.
+    cancelled = [e for e in events if isinstance(e, CallFailed)]
+    assert [(e.call_id, e.error_type) for e in cancelled] == [(f"{end.turn_id}-1",
+                                                               "cancelled")]
+    assert not out.exists()
+    # The new turn saw the event, and was asked once: the cancelled turn asked no more.
+    (done,) = [e for e in events if isinstance(e, TurnCompleted)]
+    assert done.text == "I see the new statement." and done.turn_id != end.turn_id
+    assert len(model.received) == 2
+    assert json.loads(tool_messages(model.received[1])[-1]["content"]) == {"balance": 7}
+    assert model.received[1]["messages"][-1]["role"] == "tool"
+
+
+async def test_a_large_injected_result_is_stored_by_reference_and_recalled_by_its_id(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    rows = [{"day": i, "memo": "x" * 90} for i in range(900)]  # about 100 kB: by reference
+    event_id = await _inject(bus, sid, {"tool_id": "injected:ledger", "result": rows,
+                                        "idempotency_key": "ledger-1"})
+    model.script = [(200, reply(calls=[("c1", "built-in__recall", {"key": event_id})])),
+                    (200, reply("Seen."))]
+    end = await client.ask(sid, "What is in the ledger?", timeout=30)
+    assert isinstance(end, TurnCompleted), end
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    (injected,) = [e for e in events if isinstance(e, ToolEventInjected)]
+    assert injected.event_id == event_id and injected.result is None
+    assert injected.result_ref is not None and injected.result_ref.size > 64 * 1024
+    assert msgspec.json.decode(await ArtifactStore(bus).read(injected.result_ref)) == rows
+    (shown,) = tool_messages(model.received[0])
+    assert shown["content"].startswith(f"[STORED: {event_id} | injected:ledger]")
+    assert len(shown["content"]) < 1000
+    page = json.loads(tool_messages(model.received[1])[-1]["content"])
+    assert page["total"] == 900 and page["items"] == rows[:page["count"]]
+
+    # The same key again, another body, past the duplicate window (no message id):
+    # nothing is stored, and the first event's data is untouched.
+    other = [{"day": i, "memo": "y" * 90} for i in range(900)]
+    await bus.js.publish(f"{REQUESTS_PREFIX}.{sid}.tool_events", msgspec.json.encode(
+        {"tool_id": "injected:ledger", "result": other, "idempotency_key": "ledger-1"}))
+    await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
+    after = [s.event for s in await EventLog(bus).read_session(sid)]
+    assert [e for e in after if isinstance(e, ToolEventInjected)] == [injected]
+    assert msgspec.json.decode(await ArtifactStore(bus).read(injected.result_ref)) == rows
+
+
+async def test_an_injected_result_over_the_budget_is_previewed(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    event_id = await _inject(bus, sid, {"tool_id": "github:list_commits",
+                                        "result": COMMITS, "idempotency_key": "c-1"})
+    model.script = [(200, reply("Thirty commits."))]
+    end = await client.ask(sid, "What was imported?", timeout=30)
+    assert isinstance(end, TurnCompleted), end
+    (shown,) = tool_messages(model.received[0])
+    assert len(shown["content"]) <= 800
+    assert shown["content"].startswith(f"[STORED: {event_id} | github:list_commits]")
+    assert "Type: Array(30)" in shown["content"]
