@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from actors import metrics
 from actors.kernel import Inbox, Kernel, PoisonError, SessionStates, outgoing_headers
 from bus.approvals import ApprovalStore
 from bus.catalog import Catalog
@@ -37,9 +38,9 @@ from bus.rpc import Responder
 from bus.streams import ConsumerSpec
 from bus.subjects import (
     APPROVAL_PREFIX,
-    EVENTS_PREFIX,
     EVENTS_STREAM,
     approval_decision_filter,
+    type_filter,
 )
 from schemas.defaults import ACK_WAIT_S
 from schemas.errors import ConcurrencyError, InvalidIdError, RpcError
@@ -202,12 +203,13 @@ class ApprovalActor:
         self._store = ApprovalStore(bus)
         self._sweep_interval_s = sweep_interval_s
         self._kernel.add(Inbox(
-            ConsumerSpec(EVENTS_STREAM, "approval", (f"{EVENTS_PREFIX}.*.call.requested",),
+            ConsumerSpec(EVENTS_STREAM, "approval", (type_filter("call.requested"),),
                          ack_wait_s=ACK_WAIT_S * 10),
             self._on_requested, self._reject, ordered=False))
         self._rpc = Responder(bus, f"{APPROVAL_PREFIX}.*.*.*", self._on_decision,
                               queue="approval")
         self._sweeper: asyncio.Task[None] | None = None
+        self._unwatch: Callable[[], None] = lambda: None
         # Calls decided inline by the session actor of this process: the consumer acks
         # them without deciding again.
         self._inline: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -234,6 +236,8 @@ class ApprovalActor:
 
     async def start(self) -> None:
         await self._store.start()
+        self._unwatch = metrics.watch("approvals",
+                                      lambda: [({}, float(len(self._store.pending())))])
         await self._kernel.start()
         await self._rpc.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="approval-timeouts")
@@ -245,6 +249,7 @@ class ApprovalActor:
                 await self._sweeper
         await self._rpc.stop()
         await self._kernel.stop(grace)
+        self._unwatch()
         await self._store.stop()
 
     # -- policy decisions

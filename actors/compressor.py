@@ -33,7 +33,7 @@ from bus.connection import Bus
 from bus.consumer import Delivery
 from bus.eventlog import Append, decode_stored
 from bus.streams import ConsumerSpec
-from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, session_of
+from bus.subjects import EVENTS_STREAM, session_of, type_filter
 from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
 from schemas.events import CallSucceeded, ResultCompressed
 from schemas.ids import is_token, result_compressed_id
@@ -145,7 +145,7 @@ class Compressor:
         self._compression = compression or Compression()
         self._clock = clock
         self._kernel.add(Inbox(
-            ConsumerSpec(EVENTS_STREAM, "compressor", (f"{EVENTS_PREFIX}.*.call.succeeded",),
+            ConsumerSpec(EVENTS_STREAM, "compressor", (type_filter("call.succeeded"),),
                          ack_wait_s=ack_wait_s),
             self._on_succeeded, self._reject, max_in_flight=64))
 

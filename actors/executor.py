@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from actors import metrics
 from actors.kernel import Inbox, Kernel, PoisonError, SessionStates, outgoing_headers
 from actors.tools import ResourceScope, RunnableTool, ToolError, index_tools, with_pool
 from bus import trace
@@ -109,6 +110,7 @@ class Executor:
     ) -> None:
         self._bus = bus
         self._kernel = Kernel(bus, "executor", clock=clock)
+        self._kernel.attributes[metrics.POOL] = pool
         self._states = SessionStates(bus, self._kernel.log, size=1024)
         self._artifacts = ArtifactStore(bus)
         self._max_inline_result = max_inline_result

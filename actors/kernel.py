@@ -29,11 +29,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from actors import metrics
 from bus import trace
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
@@ -52,7 +54,14 @@ from schemas.errors import (
     EventTooLargeError,
     ToolbusError,
 )
-from schemas.events import Event, RequestRejected
+from schemas.events import (
+    CallRejected,
+    Event,
+    RequestRejected,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+)
 from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
 from schemas.state import SessionState, evolve
 
@@ -125,21 +134,74 @@ class Kernel:
         self._max_deliveries = max_deliveries
         self._loops: list[PullLoop] = []
         self.rejected = 0  # messages turned into stored rejections (stats and tests)
+        # The attributes of this actor's metrics (an executor adds its pool).
+        self.attributes: dict[str, str] = {metrics.ACTOR: actor}
+        self._metering: list[Callable[[], None]] = []
 
     def add(self, inbox: Inbox) -> None:
+        """An inbox for as long as the actor runs (started by `start`)."""
+        self._loops.append(self._pull_loop(inbox))
+
+    async def attach(self, inbox: Inbox) -> PullLoop:
+        """An inbox from now on, until `detach`: a partition this process took."""
+        loop = self._pull_loop(inbox)
+        await loop.start()
+        self._loops.append(loop)
+        return loop
+
+    async def detach(self, loop: PullLoop, grace: float = 5.0) -> None:
+        """Stop pulling, let the messages in hand finish (up to `grace`); the rest go to
+        whoever attaches the consumer next, after its ack wait."""
+        if loop in self._loops:
+            self._loops.remove(loop)
+        await loop.stop(grace)
+
+    def _pull_loop(self, inbox: Inbox) -> PullLoop:
+        # Built once per consumer: a redelivery adds to a counter with these, no more.
+        attrs = {**self.attributes, metrics.CONSUMER: inbox.consumer.durable}
+
         async def deliver(delivery: Delivery) -> None:
+            if delivery.num_delivered > 1:
+                metrics.redelivered(attrs)
             await self._deliver(inbox, delivery)
 
-        self._loops.append(PullLoop(self.bus, inbox.consumer, deliver,
-                                    max_in_flight=inbox.max_in_flight,
-                                    key=session_of if inbox.ordered else None))
+        return PullLoop(self.bus, inbox.consumer, deliver, max_in_flight=inbox.max_in_flight,
+                        key=session_of if inbox.ordered else None)
 
     async def start(self) -> None:
         for loop in self._loops:
             await loop.start()
+        if metrics.enabled():
+            self.log.observer = self._stored
+            if self.actor == "session":
+                self._metering.append(metrics.watch("sessions", self._active_sessions))
 
     async def stop(self, grace: float = 10.0) -> None:
+        for unwatch in self._metering:
+            unwatch()
+        self._metering.clear()
         await asyncio.gather(*(loop.stop(grace) for loop in self._loops))
+
+    def _active_sessions(self) -> list[tuple[dict[str, str], float]]:
+        active: set[str] = set()
+        for states in _STATES_OF_LOG.get(self.log, ()):
+            active.update(states.active())
+        return [(self.attributes, float(len(active)))]
+
+    def _stored(self, event: Event, result: AppendResult) -> None:
+        """The log stored `event` and it was not a duplicate (see actors/metrics.py for why
+        calls are counted here, from the end of their turn)."""
+        if type(event) in metrics.TURN_ENDS:
+            assert isinstance(event, TurnCompleted | TurnFailed | TurnCancelled)
+            for states in _STATES_OF_LOG.get(self.log, ()):
+                entry = states.peek(event.session_id)
+                if entry is not None and event.turn_id in entry.state.turns:
+                    metrics.turn_ended(event, entry.state)
+                    return
+            metrics.turn_ended(event, None)
+        elif type(event) in metrics.REJECTIONS:
+            assert isinstance(event, RequestRejected | CallRejected)
+            metrics.rejected(event.actor, event.reason)
 
     async def _deliver(self, inbox: Inbox, delivery: Delivery) -> None:
         _parent.set(delivery.headers)
@@ -208,6 +270,10 @@ class Kernel:
                 await delivery.nak(delay=_backoff_s(delivery.num_delivered))
             return
         self.rejected += 1
+        if not any(type(item.event) in metrics.REJECTIONS for item in items):
+            # Stored as another fact (`call.failed` internal): counted here, once per
+            # message. A `request.rejected` is counted where it is stored (`_stored`).
+            metrics.rejected(self.actor, reason)
         log.info("%s: rejected %s (seq %d): %s", self.actor, delivery.subject,
                  delivery.stream_seq, message)
         with contextlib.suppress(Exception):
@@ -228,6 +294,11 @@ class Kernel:
 
 
 # --- session states ---------------------------------------------------------------------
+
+# The session states folded from each log, so the end of a turn stored through it finds
+# when the turn was requested (its duration) without another read.
+_STATES_OF_LOG: weakref.WeakKeyDictionary[EventLog, weakref.WeakSet[SessionStates]] = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -267,6 +338,7 @@ class SessionStates:
         self._loading: dict[str, asyncio.Future[Entry]] = {}
         self._snapshot_every = snapshot_every
         self._saving: set[asyncio.Task[None]] = set()
+        _STATES_OF_LOG.setdefault(log, weakref.WeakSet()).add(self)
 
     async def entry(self, sid: str) -> Entry:
         entry = self._cache.get(sid)
@@ -308,6 +380,18 @@ class SessionStates:
                         "it; folding the log instead", sid, state.last_seq)
             return None
         return state
+
+    def active(self) -> list[str]:
+        """The sessions in memory with a turn running."""
+        # Copied in one step: an OTLP export collects from its own thread.
+        return [sid for sid, entry in list(self._cache.items()) if entry.state.open_turns]
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Drop the cached sessions `keep` refuses (those of a partition given up: another
+        process writes them now), but for any being decided right now."""
+        for sid in [s for s in self._cache if not keep(s)]:
+            if not self._cache[sid].lock.locked():
+                del self._cache[sid]
 
     def peek(self, sid: str) -> Entry | None:
         """The cached entry, if the session is in memory."""

@@ -70,11 +70,12 @@ from actors.llm import complete
 from actors.llm.types import Message, ModelSettings, ToolCall
 from bus.catalog import Catalog
 from bus.connection import Bus
-from bus.consumer import Delivery
+from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, decode_stored
-from bus.streams import ConsumerSpec
-from bus.subjects import EVENTS_PREFIX, EVENTS_STREAM, LIVE_PREFIX, session_of
-from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
+from bus.partitions import PartitionOwner, member_name
+from bus.streams import ConsumerSpec, delete_consumers
+from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type_filter
+from schemas.defaults import DECIDE_ATTEMPTS, PARTITION_ACK_WAIT_S
 from schemas.errors import ConcurrencyError, ModelError
 from schemas.events import (
     CallRejected,
@@ -127,6 +128,11 @@ EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
 # Model calls one delivery makes at most before it leaves the rest to the next one.
 _ANSWERS_PER_DELIVERY = 8
+# The events the planner decides on (each partition's consumer filters these).
+_CONSUMED = ("turn.requested", "model.requested", "model.responded", "policies.matched",
+             "turn.reevaluated", "output.emitted", "output.rejected", "call.succeeded",
+             "call.failed", "call.rejected", "result.compressed", "turn.cancelled",
+             "tool_event.injected.*")  # one subject per injected event's id
 _NO_COMPRESSION = Compression()  # the defaults, when no compressor runs
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
 
@@ -838,7 +844,8 @@ class Planner:
                  max_iterations: int = DEFAULT_MAX_ITERATIONS,
                  max_tokens: int | None = None,
                  compression: Compression | None = None,
-                 ack_wait_s: float = ACK_WAIT_S * 10,
+                 ack_wait_s: float = PARTITION_ACK_WAIT_S,
+                 instance: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._bus = bus
         self._kernel = Kernel(bus, ACTOR, clock=clock)
@@ -857,14 +864,13 @@ class Planner:
         self._ack_wait_s = ack_wait_s
         self._clock = clock
         self._http: httpx.AsyncClient | None = None
-        subjects = tuple(f"{EVENTS_PREFIX}.*.{t}" for t in (
-            "turn.requested", "model.requested", "model.responded", "policies.matched",
-            "turn.reevaluated", "output.emitted", "output.rejected", "call.succeeded",
-            "call.failed", "call.rejected", "result.compressed", "turn.cancelled",
-            "tool_event.injected.*"))
-        self._kernel.add(Inbox(
-            ConsumerSpec(EVENTS_STREAM, "planner", subjects, ack_wait_s=ack_wait_s),
-            self._on_event, self._reject, max_in_flight=256))
+        # Each partition of sessions through its own consumer, while this process holds
+        # it (bus/partitions.py): any number of planner processes share the sessions.
+        self.instance = instance or member_name()
+        self._owner = PartitionOwner(bus, ACTOR, self.instance, on_acquire=self._take,
+                                     on_release=self._give_up)
+        self._partition_loops: dict[int, PullLoop] = {}
+        self._kernel.log.writer = self.instance
 
     @property
     def kernel(self) -> Kernel:
@@ -877,11 +883,33 @@ class Planner:
     async def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=self._settings.timeout_s)
         await self._kernel.start()
+        await delete_consumers(self._bus, EVENTS_STREAM, ("planner",))  # before partitions
+        await self._owner.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        await self._owner.stop()
         await self._kernel.stop(grace)
         if self._http is not None:
             await self._http.aclose()
+
+    @property
+    def partitions(self) -> list[int]:
+        """The partitions this process plans now."""
+        return sorted(self._partition_loops)
+
+    async def _take(self, part: int) -> None:
+        subjects = tuple(type_filter(t, part) for t in _CONSUMED)
+        self._partition_loops[part] = await self._kernel.attach(Inbox(
+            ConsumerSpec(EVENTS_STREAM, f"planner-p{part}", subjects,
+                         ack_wait_s=self._ack_wait_s),
+            self._on_event, self._reject, max_in_flight=256))
+
+    async def _give_up(self, part: int) -> None:
+        loop = self._partition_loops.pop(part, None)
+        if loop is not None:
+            await self._kernel.detach(loop)
+        n = self._bus.partitions
+        self._states.forget(lambda sid: partition(sid, n) != part)
 
     def _offer(self, agent: str | None = None) -> Offer:
         specs = self._catalog.all()

@@ -40,21 +40,28 @@ import msgspec
 from actors.kernel import Entry, Inbox, Kernel, PoisonError, SessionStates, excerpt
 from bus.artifacts import ArtifactStore
 from bus.connection import Bus
-from bus.consumer import Delivery
+from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, decode_stored
+from bus.partitions import PartitionOwner, member_name
 from bus.rpc import Responder
-from bus.streams import ConsumerSpec
+from bus.streams import ConsumerSpec, delete_consumers
 from bus.subjects import (
-    EVENTS_PREFIX,
     EVENTS_STREAM,
     REQUESTS_PREFIX,
     REQUESTS_STREAM,
     STATE_PREFIX,
-    TOOL_EVENTS_SUFFIX,
+    partition,
+    partition_filter,
+    request_subject,
+    requests_filter,
     session_of,
-    tool_events_subject,
 )
-from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS, SESSION_CACHE_SIZE, SNAPSHOT_EVERY
+from schemas.defaults import (
+    DECIDE_ATTEMPTS,
+    PARTITION_ACK_WAIT_S,
+    SESSION_CACHE_SIZE,
+    SNAPSHOT_EVERY,
+)
 from schemas.errors import ConcurrencyError, InvalidIdError, InvalidRequestError, RpcError
 from schemas.events import (
     CallApproved,
@@ -97,6 +104,7 @@ from schemas.requests import (
     Request,
     ToolEventInput,
     decode_json,
+    is_tool_event,
     parse_request,
     parse_tool_event,
     strip_controls,
@@ -310,14 +318,14 @@ def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: f
     if len(state.tool_events) >= MAX_TOOL_EVENTS:
         return [Append(RequestRejected(
             session_id=sid, at=now, actor=ACTOR, reason="too_many_tool_events",
-            request_id=event_id, subject=tool_events_subject(sid),
+            request_id=event_id, subject=request_subject(sid),
             message=f"session {sid} holds {len(state.tool_events)} injected tool events, "
                     f"the limit (each is read by every later turn): start a new session"),
             request_rejected_id(request_seq))]
     if tool_event.trigger_processing and not accept_messages:
         return [Append(RequestRejected(
             session_id=sid, at=now, actor=ACTOR, reason="no_planner", request_id=event_id,
-            subject=tool_events_subject(sid),
+            subject=request_subject(sid),
             message="trigger_processing needs a planner to start a turn, and this toolbus "
                     "runs none; inject without it, or give the manifest an "
                     "agent_config.model"), request_rejected_id(request_seq))]
@@ -366,10 +374,14 @@ def reject_request(subject: str, data: bytes, request_seq: int, reason: str, mes
                    *, now: float) -> Append:
     """The stored rejection of a request that cannot be accepted."""
     rest = subject[len(REQUESTS_PREFIX) + 1:]
-    sid = rest.removesuffix(f".{TOOL_EVENTS_SUFFIX}")
+    sid, _, part = rest.rpartition(".")
+    if part.isdigit():
+        subject = request_subject(sid)  # as it was published, without its partition
+    else:
+        sid = rest  # not as the stream stores requests: the whole rest is quoted
     own = is_token(sid)
     # A tool event's rejection names the event its key would have made, for its sender.
-    rid = (_tool_event_id_of(sid, data) if sid != rest else _request_id_of(data)) \
+    rid = (_tool_event_id_of(sid, data) if is_tool_event(data) else _request_id_of(data)) \
         if own else None
     # The system session is shared: a body that names no usable session is not quoted
     # there (it may hold someone's secrets), only measured.
@@ -406,10 +418,12 @@ class SessionActor:
         cache_size: int = SESSION_CACHE_SIZE,
         default_agent: str = DEFAULT_AGENT,
         accept_messages: bool = False,
+        instance: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`accept_messages`: a planner runs (actors/planner.py), so a request with a
-        `message` starts a turn; without one it is refused (`no_planner`)."""
+        `message` starts a turn; without one it is refused (`no_planner`). `instance`
+        names this process among those sharing the partitions."""
         self._kernel = Kernel(bus, ACTOR, clock=clock)
         self._accept_messages = accept_messages
         self._states = SessionStates(bus, self._kernel.log, size=cache_size,
@@ -421,14 +435,13 @@ class SessionActor:
         self._default_agent = default_agent
         self._clock = clock
         self._artifacts = ArtifactStore(bus)
-        self._kernel.add(Inbox(
-            ConsumerSpec(EVENTS_STREAM, "session-events", (f"{EVENTS_PREFIX}.>",),
-                         ack_wait_s=ACK_WAIT_S * 10),
-            self._on_event, self._reject_event, max_in_flight=512))
-        self._kernel.add(Inbox(
-            ConsumerSpec(REQUESTS_STREAM, "session-requests", (f"{REQUESTS_PREFIX}.>",),
-                         ack_wait_s=ACK_WAIT_S * 10),
-            self._on_request, self._reject_request))
+        # The partitions this process consumes (bus/partitions.py): the requests and
+        # the events of their sessions, each through the partition's own consumers.
+        self.instance = instance or member_name()
+        self._owner = PartitionOwner(bus, ACTOR, self.instance, on_acquire=self._take,
+                                     on_release=self._give_up)
+        self._partition_loops: dict[int, list[PullLoop]] = {}
+        self._kernel.log.writer = self.instance
         self._state_rpc = Responder(bus, f"{STATE_PREFIX}.*", self._on_state_request,
                                     queue="session")
 
@@ -436,13 +449,47 @@ class SessionActor:
     def kernel(self) -> Kernel:
         return self._kernel
 
+    @property
+    def partitions(self) -> list[int]:
+        """The partitions this process consumes now."""
+        return sorted(self._partition_loops)
+
     async def start(self) -> None:
         await self._kernel.start()
+        # Consumers of the single-process layout (before partitions): the requests one
+        # would overlap the partitions' on its work-queue stream.
+        await delete_consumers(self._kernel.bus, REQUESTS_STREAM, ("session-requests",))
+        await delete_consumers(self._kernel.bus, EVENTS_STREAM, ("session-events",))
+        await self._owner.start()
         await self._state_rpc.start()
 
     async def stop(self, grace: float = 5.0) -> None:
         await self._state_rpc.stop()
+        await self._owner.stop()
         await self._kernel.stop(grace)
+
+    async def _take(self, part: int) -> None:
+        self._partition_loops[part] = [
+            await self._kernel.attach(Inbox(
+                ConsumerSpec(EVENTS_STREAM, f"session-events-p{part}",
+                             (partition_filter(part),), ack_wait_s=PARTITION_ACK_WAIT_S),
+                self._on_event, self._reject_event, max_in_flight=512)),
+            await self._kernel.attach(Inbox(
+                ConsumerSpec(REQUESTS_STREAM, f"session-requests-p{part}",
+                             (requests_filter(part),), ack_wait_s=PARTITION_ACK_WAIT_S),
+                self._on_request, self._reject_request)),
+        ]
+        log.info("session %s: consuming partition %d", self.instance, part)
+
+    async def _give_up(self, part: int) -> None:
+        for loop in self._partition_loops.pop(part, []):
+            await self._kernel.detach(loop)
+        n = self._kernel.bus.partitions
+        self._states.forget(lambda sid: partition(sid, n) != part)
+        log.info("session %s: gave partition %d up", self.instance, part)
+
+    def _owns(self, sid: str) -> bool:
+        return partition(sid, self._kernel.bus.partitions) in self._partition_loops
 
     def _decide(self, state: SessionState) -> list[Append]:
         return decide(state, now=self._clock(), max_parallel=self._max_parallel)
@@ -494,16 +541,19 @@ class SessionActor:
 
     async def _on_request(self, delivery: Delivery) -> None:
         subject = delivery.subject
-        rest = subject[len(REQUESTS_PREFIX) + 1:]
-        sid, _, kind = rest.partition(".")
-        if kind == TOOL_EVENTS_SUFFIX and is_token(sid):
-            await self._on_tool_event(delivery, sid)
-            return
-        sid = rest
+        # Stored as `toolbus.req.<sid>.<partition>` (the stream's subject transform).
+        sid, _, part = subject[len(REQUESTS_PREFIX) + 1:].rpartition(".")
         try:
             check_session_id(sid)
         except InvalidIdError as exc:
             raise PoisonError("invalid_session_id", str(exc)) from exc
+        if part != str(partition(sid, self._kernel.bus.partitions)):
+            raise PoisonError("invalid_subject", f"{subject[:200]}: a request is published "
+                              f"on {REQUESTS_PREFIX}.<session_id>; NATS stores it under its "
+                              "partition")
+        if is_tool_event(delivery.data):
+            await self._on_tool_event(delivery, sid)
+            return
         try:
             request = parse_request(delivery.data, max_bytes=self._max_request_bytes,
                                     max_calls=self._max_calls)
@@ -593,7 +643,10 @@ class SessionActor:
     async def _on_state_request(self, subject: str, data: bytes) -> bytes:
         sid = subject[len(STATE_PREFIX) + 1:]
         check_session_id(sid)
-        entry = await self._states.entry(sid)
+        # Any process may answer: one that does not consume the session's partition
+        # folds it from the log as it is now (its cached state may be old).
+        entry = await (self._states.entry(sid) if self._owns(sid)
+                       else self._states.current(sid))
         await self._states.catch_up(entry)
         async with entry.lock:
             encoded = encode_state(entry.state)

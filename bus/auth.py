@@ -79,13 +79,15 @@ def permissions(role: str, user: str | None = None) -> dict[str, dict[str, list[
             f"{api}.STREAM.PURGE.*", f"{api}.STREAM.MSG.DELETE.*",
             f"{api}.CONSUMER.INFO.*.*", f"{api}.CONSUMER.LIST.*", f"{api}.CONSUMER.NAMES.*",
             f"{api}.CONSUMER.DELETE.*.*",
-            f"{REQUESTS_PREFIX}.>", f"{STATE_PREFIX}.*", f"{APPROVAL_PREFIX}.*.*.{user}"]},
+            f"{REQUESTS_PREFIX}.*", f"{STATE_PREFIX}.*", f"{APPROVAL_PREFIX}.*.*.{user}"]},
                 "subscribe": {"allow": [">"]}}
     if role not in ("client", "approver"):
         raise ConfigError(f"unknown role {role!r}: choose from {', '.join(ROLES)}")
     reads = [*_read_stream(EVENTS_STREAM), *_read_stream(f"KV_{CATALOG_BUCKET}"),
              *_read_stream(f"KV_{EXECUTORS_BUCKET}"), *_read_stream(f"OBJ_{ARTIFACTS_BUCKET}")]
-    publish = [f"{REQUESTS_PREFIX}.>", f"{STATE_PREFIX}.*", *reads]
+    # `toolbus.req.<sid>` only: the stream stores it under its partition, and a subject
+    # of more tokens would be stored where no consumer reads.
+    publish = [f"{REQUESTS_PREFIX}.*", f"{STATE_PREFIX}.*", *reads]
     if role == "approver":
         publish += [f"{APPROVAL_PREFIX}.*.*.{user}", *_read_stream(f"KV_{APPROVALS_BUCKET}")]
     return {"publish": {"allow": publish},

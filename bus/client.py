@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 
 from bus import trace
 from bus.artifacts import ArtifactStore
@@ -20,11 +21,10 @@ from bus.headers import Header
 from bus.rpc import check_reply
 from bus.subjects import (
     LIVE_PREFIX,
-    event_subject,
+    event_filter,
     live_filter,
     request_subject,
     state_subject,
-    tool_events_subject,
 )
 from schemas.errors import BusError, BusTimeoutError, InvalidRequestError
 from schemas.events import (
@@ -123,6 +123,10 @@ class _Watcher:
         for fut in self.injected.get(key or "", ()):
             if not fut.done():
                 fut.set_result((int(seq), ev))
+
+
+# How long a request is published again while a cluster elects a stream leader.
+_FAILOVER_S = 15.0
 
 
 class ToolbusClient:
@@ -236,16 +240,28 @@ class ToolbusClient:
         self._watchers.clear()
 
     async def submit(self, session_id: str, body: bytes, *, request_id: str) -> Submitted:
-        try:
-            ack = await self.bus.js.publish(
-                request_subject(session_id), body, timeout=5.0,
-                headers={Header.MSG_ID.value: client_request_id(session_id, request_id),
-                         **trace.headers_for_child(None)},
-            )
-        except nats.errors.NoRespondersError as exc:
-            raise BusError(
-                f"no request stream on {self.bus.url}: start toolbus there with `toolbus up`"
-            ) from exc
+        headers = {Header.MSG_ID.value: client_request_id(session_id, request_id),
+                   **trace.headers_for_child(None)}
+        # On a cluster, the requests stream answers nothing while it elects a new leader
+        # (a node died): publish again, with the same message id, so the stream keeps one.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (_FAILOVER_S if self.bus.nc._server_info.get("cluster")
+                                  else 0.0)
+        while True:
+            try:
+                ack = await self.bus.js.publish(request_subject(session_id), body,
+                                                timeout=5.0, headers=headers)
+                break
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+                    nats.errors.TimeoutError) as exc:
+                if loop.time() < deadline:
+                    await asyncio.sleep(0.25)
+                    continue
+                if isinstance(exc, nats.errors.TimeoutError):
+                    raise BusTimeoutError(f"the requests stream on {self.bus.url} did not "
+                                          "acknowledge the request within 5 s") from exc
+                raise BusError(f"no request stream on {self.bus.url}: start toolbus there "
+                               "with `toolbus up`") from exc
         return Submitted(request_id, turn_id_for(request_id), bool(ack.duplicate))
 
     async def inject(
@@ -319,7 +335,7 @@ class ToolbusClient:
     async def _stored_tool_event(self, session_id: str, event_id: str
                                  ) -> InjectResult | None:
         # Each on its own subject (`...tool_event.injected.<event id>`): one read.
-        stored = await self.log.read_session(session_id, subject_filter=event_subject(
+        stored = await self.log.read_session(session_id, subject_filter=event_filter(
             session_id, "tool_event.injected", event_id))
         for s in stored:
             if isinstance(s.event, ToolEventInjected) and s.event.event_id == event_id:
@@ -329,7 +345,7 @@ class ToolbusClient:
 
     async def _stored_refusal(self, session_id: str, event_id: str) -> InjectEnd | None:
         stored = await self.log.read_session(
-            session_id, subject_filter=event_subject(session_id, "request.rejected"))
+            session_id, subject_filter=event_filter(session_id, "request.rejected"))
         for s in reversed(stored):
             if isinstance(s.event, RequestRejected) and s.event.request_id == event_id:
                 return s.seq, s.event
@@ -339,7 +355,7 @@ class ToolbusClient:
         """Publish to the requests stream; true if the stream already had it."""
         try:
             ack = await self.bus.js.publish(
-                tool_events_subject(session_id), data, timeout=5.0,
+                request_subject(session_id), data, timeout=5.0,
                 headers={Header.MSG_ID.value: client_request_id(session_id, event_id),
                          **trace.headers_for_child(None)},
             )

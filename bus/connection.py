@@ -8,7 +8,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -31,7 +31,7 @@ log = logging.getLogger("toolbus.bus")
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Bus:
     """A live connection: the core client and its JetStream context."""
 
@@ -39,6 +39,9 @@ class Bus:
     js: JetStreamContext
     url: str  # without its password: safe to print
     user: str | None = None  # the URL's user name
+    # How many partitions sessions are spread over (bus/subjects.py): read from the
+    # events stream by `provision`, which every actor process runs before writing.
+    partitions: int = 1
     # Requests waiting on a subject: failed at once if NATS denies publishing to it.
     _waiting: dict[str, set[asyncio.Future[bytes]]] = field(default_factory=dict)
 
@@ -127,8 +130,12 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
 
     nc_ref: list[Client] = []
     bus_ref: list[Bus] = []
+    servers = server_urls(url)
     options: dict[str, Any] = {
-        "servers": [url],
+        # Every node of a cluster, tried in random order and again on each reconnect,
+        # plus the nodes the server announces (`connect_urls`).
+        "servers": servers,
+        **_credentials(servers),
         "name": name,
         "connect_timeout": connect_timeout,
         "allow_reconnect": True,
@@ -158,10 +165,33 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
         raise ConnectError(safe_url, f"{type(exc).__name__}: {redact(str(exc))}") from exc
     nc_ref.append(nc)
     nc.options["max_reconnect_attempts"] = -1
-    user = urlsplit(url.split(",")[0].strip()).username
+    user = _credentials(servers).get("user")
     bus = Bus(nc=nc, js=nc.jetstream(), url=safe_url, user=user)
     bus_ref.append(bus)
     return bus
+
+
+def server_urls(url: str) -> list[str]:
+    """`url` split into its servers: `--nats` and `$NATS_URL` take a comma-separated list,
+    one URL per node of a cluster."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ConnectError(url, "no server URL given")
+    return urls
+
+
+def _credentials(servers: list[str]) -> dict[str, str]:
+    """The user and password of the first URL that has them, for every server: the nodes
+    a cluster announces come without credentials, and nats-py would connect to them
+    anonymously after a failover (refused)."""
+    for u in servers:
+        try:
+            parts = urlsplit(u)
+        except ValueError:
+            continue
+        if parts.username is not None and parts.password is not None:
+            return {"user": unquote(parts.username), "password": unquote(parts.password)}
+    return {}
 
 
 # nats-server's "-ERR 'Permissions Violation for Publish to "subject"'" as nats-py hands it

@@ -83,10 +83,26 @@ class PullLoop:
         self._stopping = False
         self._last_seen = 0.0
         self._runner: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await ensure_consumer(self._bus, self._spec)
         self._runner = asyncio.create_task(self._run(), name=f"pull:{self._spec.durable}")
+        if self._key is not None:
+            self._keeper = asyncio.create_task(self._keep_queued_alive(),
+                                               name=f"keep:{self._spec.durable}")
+
+    async def _keep_queued_alive(self) -> None:
+        """Messages waiting behind their key's current one (a session's next events while
+        its model call runs) are kept from being redelivered: each is marked in progress
+        every third of the ack wait. Only this process's death lets them go elsewhere."""
+        period = max(self._spec.ack_wait_s / 3, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            for queue in list(self._queues.values()):
+                for delivery in list(queue):
+                    with contextlib.suppress(Exception):
+                        await delivery.in_progress()
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop pulling, then let in-flight handlers finish for up to `grace` seconds."""
@@ -94,6 +110,10 @@ class PullLoop:
         self._wake.set()
         if self._runner is not None:
             await self._runner
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         if self._tasks:
             _, late = await asyncio.wait(set(self._tasks), timeout=grace)
             for task in late:
@@ -229,3 +249,29 @@ def ack_metadata(msg: Msg) -> tuple[int, int, int]:
     md = msg.metadata
     ts = int(md.timestamp.timestamp() * 1e9) if md.timestamp else 0
     return md.sequence.stream, md.num_delivered, ts
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerLag:
+    """A durable consumer's messages not delivered yet (`num_pending`)."""
+
+    stream: str
+    name: str
+    filter_subjects: tuple[str, ...]
+    pending: int
+
+
+async def consumer_lags(bus: Bus, stream: str) -> list[ConsumerLag]:
+    """Every consumer of `stream`, with its `num_pending`: one request per 256 consumers."""
+    out: list[ConsumerLag] = []
+    offset = 0
+    while True:
+        page = await bus.js.consumers_info(stream, offset=offset)
+        for info in page:
+            config = info.config
+            filters = tuple(config.filter_subjects or ()) or (
+                (config.filter_subject,) if config.filter_subject else ())
+            out.append(ConsumerLag(stream, info.name or "", filters, info.num_pending or 0))
+        if len(page) < 256:
+            return out
+        offset += len(page)

@@ -160,15 +160,22 @@ class EventLog:
         self._consumer_reads = bus.principal not in READ_ONLY_ROLES
         self._pub = _Publisher(bus)
         self._max_event_bytes = max_event_bytes
+        self.writer: str | None = None  # stored as `Toolbus-Writer` on each event
+        # Called with each event this log stored that was not a duplicate: the one writer,
+        # across every process, whose append of that message id the stream kept.
+        self.observer: Callable[[Event, AppendResult], None] | None = None
 
     def _prepare(self, item: Append, expect_last: int | None, expect_subject: str | None,
                  extra: Mapping[str, str] | None) -> tuple[str, bytes, dict[str, str]]:
         event = item.event
-        subject = event_subject(event.session_id, event_type(event), item.route)
+        subject = event_subject(event.session_id, event_type(event), item.route,
+                                partitions=self._bus.partitions)
         payload = encode_event(event)
         if len(payload) > self._max_event_bytes:
             raise EventTooLargeError(subject, len(payload), self._max_event_bytes)
         headers = {Header.MSG_ID.value: item.msg_id}
+        if self.writer:
+            headers[Header.WRITER.value] = self.writer
         if extra:
             headers.update(extra)
         if expect_last is not None:
@@ -210,7 +217,10 @@ class EventLog:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
-            return self._result(subject, ack, expect_last)
+            result = self._result(subject, ack, expect_last)
+            if self.observer is not None and not result.duplicate:
+                self.observer(item.event, result)
+            return result
         raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
                                    f"{type(last_error).__name__}: {last_error}")
 
@@ -241,6 +251,8 @@ class EventLog:
                 try:
                     ack = await self._pub.wait(subject, sent, _APPEND_TIMEOUT_S)
                     done.append(self._result(subject, ack, expect_last))
+                    if self.observer is not None and not done[0].duplicate:
+                        self.observer(item.event, done[0])
                     return done[0]
                 except _RETRYABLE:
                     pass

@@ -17,6 +17,9 @@ class Header(StrEnum):
     TIME_STAMP = "Nats-Time-Stamp"
     NUM_PENDING = "Nats-Num-Pending"
     TRACEPARENT = "traceparent"
+    # The process instance that stored an event (partitioned actors set it): which
+    # process decided a session, for operators and the partition tests.
+    WRITER = "Toolbus-Writer"
 
 
 class Status(StrEnum):

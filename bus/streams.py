@@ -19,6 +19,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    SubjectTransform,
 )
 
 from bus.connection import Bus
@@ -26,10 +27,14 @@ from bus.subjects import (
     APPROVALS_BUCKET,
     ARTIFACTS_BUCKET,
     CATALOG_BUCKET,
+    DEFAULT_PARTITIONS,
     EVENTS_PREFIX,
     EVENTS_STREAM,
     EXECUTORS_BUCKET,
+    LEASES_BUCKET,
     LIVE_PREFIX,
+    MAX_PARTITIONS,
+    PARTITIONS_METADATA,
     REQUESTS_PREFIX,
     REQUESTS_STREAM,
     SNAPSHOTS_BUCKET,
@@ -37,10 +42,11 @@ from bus.subjects import (
 from schemas.defaults import (
     DUPLICATE_WINDOW_S,
     EXECUTORS_TTL_S,
+    LEASE_TTL_S,
     MAX_EVENT_BYTES,
     SERVER_MAX_PAYLOAD,
 )
-from schemas.errors import BusError
+from schemas.errors import BusError, ConfigError
 
 log = logging.getLogger("toolbus.bus")
 
@@ -48,7 +54,7 @@ log = logging.getLogger("toolbus.bus")
 _EVENTS_MAX_MSG_BYTES = 4 * MAX_EVENT_BYTES
 
 
-def events_stream_config() -> StreamConfig:
+def events_stream_config(partitions: int = DEFAULT_PARTITIONS) -> StreamConfig:
     return StreamConfig(
         name=EVENTS_STREAM,
         description="toolbus event log: the source of truth",
@@ -58,15 +64,25 @@ def events_stream_config() -> StreamConfig:
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
         max_msg_size=_EVENTS_MAX_MSG_BYTES,
-        republish=RePublish(src=f"{EVENTS_PREFIX}.>", dest=f"{LIVE_PREFIX}.>"),
+        # `toolbus.evt.<sid>.<partition>.<type>` -> `toolbus.live.<sid>.<type>`: watchers
+        # need not know the partitions.
+        republish=RePublish(src=f"{EVENTS_PREFIX}.*.*.>",
+                            dest=f"{LIVE_PREFIX}.{{{{wildcard(1)}}}}.>"),
+        metadata={PARTITIONS_METADATA: str(partitions)},
     )
 
 
-def requests_stream_config() -> StreamConfig:
+def requests_stream_config(partitions: int = DEFAULT_PARTITIONS) -> StreamConfig:
     return StreamConfig(
         name=REQUESTS_STREAM,
         description="toolbus requests, consumed once by the session actor",
         subjects=[f"{REQUESTS_PREFIX}.>"],
+        # Stored as `toolbus.req.<sid>.<partition>`, NATS's own hash of the session id
+        # (bus/subjects.py `partition` computes the same): each partition's consumer
+        # takes its sessions' requests.
+        subject_transform=SubjectTransform(
+            src=f"{REQUESTS_PREFIX}.*",
+            dest=f"{REQUESTS_PREFIX}.{{{{wildcard(1)}}}}.{{{{partition({partitions},1)}}}}"),
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         duplicate_window=DUPLICATE_WINDOW_S,
@@ -76,7 +92,9 @@ def requests_stream_config() -> StreamConfig:
     )
 
 
-async def ensure_stream(bus: Bus, config: StreamConfig) -> None:
+async def ensure_stream(bus: Bus, config: StreamConfig, *, rescale: bool = False) -> None:
+    """Create the stream, or update what drifted; its replicas change only with `rescale`
+    (`--replicas`), so an operator's choice is never undone by an actor starting."""
     assert config.name is not None
     try:
         info = await bus.js.stream_info(config.name)
@@ -93,36 +111,110 @@ async def ensure_stream(bus: Bus, config: StreamConfig) -> None:
     drift = {k: v for k, v in wanted.items() if getattr(current, k) != v}
     # Retention cannot change on a live stream; never try, never recreate.
     drift.pop("retention", None)
+    if "metadata" in drift:  # the server adds keys of its own: only ours matter
+        merged = {**(current.metadata or {}), **(config.metadata or {})}
+        if merged == (current.metadata or {}):
+            drift.pop("metadata")
+        else:
+            drift["metadata"] = merged
+    if not rescale:
+        drift.pop("num_replicas", None)
     if drift:
         await bus.js.update_stream(dataclasses.replace(current, **drift))
         log.info("updated stream %s: %s", config.name, ", ".join(sorted(drift)))
 
 
-async def provision(bus: Bus) -> None:
-    """Create or update every stream and bucket toolbus uses. Safe to run any time."""
+CLUSTER_REPLICAS = 3
+
+
+def default_replicas(bus: Bus) -> int:
+    """How many copies of each stream and bucket to make: 3 on a JetStream cluster (its
+    size, if it has fewer servers), 1 on a single server. From the INFO the server sent at
+    connect: a clustered server names its cluster and lists every node's client URL,
+    itself included (`connect_urls`)."""
+    info = bus.nc._server_info
+    if not info.get("cluster"):
+        return 1
+    nodes = len(set(info.get("connect_urls") or ()))
+    return max(1, min(CLUSTER_REPLICAS, nodes))
+
+
+async def stored_partitions(bus: Bus, wanted: int | None = None) -> int:
+    """How many partitions the store spreads sessions over: those it was provisioned
+    with (the events stream's metadata), else `wanted`, else the default. `ConfigError`
+    when `wanted` differs from the store's: they cannot change once events are stored."""
+    if wanted is not None and not 1 <= wanted <= MAX_PARTITIONS:
+        raise ConfigError(f"--partitions {wanted}: give 1 to {MAX_PARTITIONS}")
     try:
-        await ensure_stream(bus, events_stream_config())
-        await ensure_stream(bus, requests_stream_config())
-        for bucket in (CATALOG_BUCKET, SNAPSHOTS_BUCKET, APPROVALS_BUCKET, EXECUTORS_BUCKET):
+        info = await bus.js.stream_info(EVENTS_STREAM)
+    except nats.js.errors.NotFoundError:
+        return wanted or DEFAULT_PARTITIONS
+    have = (info.config.metadata or {}).get(PARTITIONS_METADATA)
+    if have is None or not have.isdigit():
+        return wanted or DEFAULT_PARTITIONS  # a store from before partitions
+    if wanted is not None and wanted != int(have):
+        raise ConfigError(f"this store spreads sessions over {have} partitions; it cannot "
+                          f"change to {wanted} (every stored event is on its partition's "
+                          "subject): leave --partitions out, or start a new store")
+    return int(have)
+
+
+async def provision(bus: Bus, *, replicas: int | None = None,
+                    partitions: int | None = None) -> None:
+    """Create or update every stream and bucket toolbus uses. Safe to run any time.
+    Sets `bus.partitions` to the store's (`stored_partitions`).
+
+    New streams and buckets get `replicas` copies (default: `default_replicas`). Existing
+    ones keep theirs unless `replicas` is given (`--replicas`): then NATS rescales them in
+    place, a stream update that keeps every message."""
+    n = replicas if replicas is not None else default_replicas(bus)
+    rescale = replicas is not None
+    try:
+        bus.partitions = await stored_partitions(bus, partitions)
+        await ensure_stream(bus, dataclasses.replace(
+            events_stream_config(bus.partitions), num_replicas=n), rescale=rescale)
+        await ensure_stream(bus, dataclasses.replace(
+            requests_stream_config(bus.partitions), num_replicas=n), rescale=rescale)
+        ttls = {EXECUTORS_BUCKET: EXECUTORS_TTL_S, LEASES_BUCKET: LEASE_TTL_S}
+        for bucket in (CATALOG_BUCKET, SNAPSHOTS_BUCKET, APPROVALS_BUCKET, EXECUTORS_BUCKET,
+                       LEASES_BUCKET):
             try:
                 await bus.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
-                ttl = EXECUTORS_TTL_S if bucket == EXECUTORS_BUCKET else None
+                ttl = ttls.get(bucket)
                 await bus.js.create_key_value(bucket=bucket, history=1, ttl=ttl,
-                                              direct=True)
+                                              direct=True, replicas=n)
             # Direct gets, so the read-only roles read entries without consumers (older
             # installs created the buckets without them).
             info = await bus.js.stream_info(f"KV_{bucket}")
-            if not info.config.allow_direct:
-                await bus.js.update_stream(dataclasses.replace(info.config, allow_direct=True))
+            wanted = n if rescale else (info.config.num_replicas or 1)
+            if not info.config.allow_direct or (info.config.num_replicas or 1) != wanted:
+                await bus.js.update_stream(dataclasses.replace(
+                    info.config, allow_direct=True, num_replicas=wanted))
         try:
             await bus.js.object_store(ARTIFACTS_BUCKET)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-            await bus.js.create_object_store(bucket=ARTIFACTS_BUCKET)
+            await bus.js.create_object_store(bucket=ARTIFACTS_BUCKET, replicas=n)
+        else:
+            info = await bus.js.stream_info(f"OBJ_{ARTIFACTS_BUCKET}")
+            if rescale and (info.config.num_replicas or 1) != n:
+                await bus.js.update_stream(dataclasses.replace(info.config, num_replicas=n))
     except nats.js.errors.ServiceUnavailableError as exc:
         raise BusError(
             f"JetStream is not enabled on {bus.url}: start nats-server with -js"
         ) from exc
+    except nats.js.errors.APIError as exc:
+        if exc.err_code in _REPLICAS_REFUSED:
+            raise BusError(
+                f"NATS at {bus.url} cannot keep {n} replicas of toolbus's streams "
+                f"({exc.description}): pass --replicas N with N at most its number of "
+                "JetStream servers (1 for a single server)") from exc
+        raise
+
+
+# JSStreamReplicasNotSupportedErr (R>1 on a single server), JSInsufficientResourcesErr,
+# JSClusterNoPeersErr (fewer servers than replicas).
+_REPLICAS_REFUSED = frozenset({10074, 10023, 10005})
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,15 +287,25 @@ async def executor_backlogs(bus: Bus) -> list[Backlog]:
             if not name.startswith("exec_") or not waiting:
                 continue
             floor = info.ack_floor.stream_seq if info.ack_floor else 0
-            # toolbus.evt.*.call.dispatched.<pool>.<namespace>, or
-            # toolbus.evt.*.call.dispatched.instance.<instance>.<namespace>
+            # toolbus.evt.*.*.call.dispatched.<pool>.<namespace>, or
+            # toolbus.evt.*.*.call.dispatched.instance.<instance>.<namespace>
             tokens = filt.split(".")
-            if tokens[3:5] != ["call", "dispatched"]:
+            if tokens[4:6] != ["call", "dispatched"]:
                 continue
-            if len(tokens) == 7:
-                out.append(Backlog(tokens[5], None, tokens[6], filt, floor))
-            elif len(tokens) == 8 and tokens[5] == "instance":
-                out.append(Backlog(None, tokens[6], tokens[7], filt, floor))
+            if len(tokens) == 8:
+                out.append(Backlog(tokens[6], None, tokens[7], filt, floor))
+            elif len(tokens) == 9 and tokens[6] == "instance":
+                out.append(Backlog(None, tokens[7], tokens[8], filt, floor))
         if len(page) < 256:
             return out
         offset += len(page)
+
+
+async def delete_consumers(bus: Bus, stream: str, names: tuple[str, ...]) -> None:
+    """Delete these durable consumers of `stream` where they exist (a layout retired)."""
+    for name in names:
+        try:
+            await bus.js.delete_consumer(stream, name)
+            log.info("deleted the retired consumer %s of %s", name, stream)
+        except nats.js.errors.NotFoundError:
+            pass

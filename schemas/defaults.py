@@ -51,4 +51,11 @@ DECIDE_ATTEMPTS: Final = 8
 
 # -- executors
 EXECUTORS_TTL_S: Final = 15.0
+# A partition's owner renews its lease every LEASE_RENEW_S; a lease not renewed for
+# LEASE_TTL_S (its process died) lets another process take the partition.
+LEASE_TTL_S: Final = 3.0
+LEASE_RENEW_S: Final = 1.0
+# The ack wait of the partitioned consumers: a dead owner's unacknowledged messages are
+# redelivered to the next one after it. Messages queued in a live owner are kept alive.
+PARTITION_ACK_WAIT_S: Final = 4.0
 MAX_IN_FLIGHT: Final = 64

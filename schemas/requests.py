@@ -364,6 +364,18 @@ class ToolEventInput(msgspec.Struct, frozen=True, kw_only=True):
     trigger_processing: bool = False
 
 
+def is_tool_event(data: bytes) -> bool:
+    """Whether a body sent to a session (`toolbus.req.<sid>`) is a tool event to inject
+    rather than a request: a JSON object with `tool_id` at its top level."""
+    if b'"tool_id"' not in data:
+        return False
+    try:
+        body = decode_json(data, what="tool event")
+    except InvalidRequestError:
+        return False
+    return isinstance(body, dict) and "tool_id" in body
+
+
 def strip_controls(value: Any) -> Any:
     """`value` with control characters (C0 but tab and newline, DEL, C1, and the
     bidirectional overrides) removed from every string in it, keys included."""

@@ -30,6 +30,7 @@ from bus.connection import Bus, connect
 from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
+from schemas.defaults import LEASE_RENEW_S
 from schemas.errors import ConfigError
 from schemas.events import (
     CallApproved,
@@ -291,14 +292,46 @@ def _floor_lines(f: Floors) -> list[Line]:
 # --- calls ------------------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def _session_actors(url: str, count: int) -> AsyncIterator[None]:
+    """`count` more session-actor processes on `url`, holding their share of the
+    partitions (given two lease rounds to settle) until the block ends."""
+    procs = []
+    try:
+        for i in range(count):
+            proc = subprocess.Popen(  # noqa: ASYNC220 - before anything is measured
+                [sys.executable, "-m", "services.cli", "actor", "session",
+                 "--instance", f"bench-{i + 2}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "NATS_URL": url})
+            procs.append(proc)
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+            if "session actor" not in line:
+                raise ConfigError(f"a session-actor process did not start: {line or 'no output'}")
+        if procs:
+            await asyncio.sleep(3 * LEASE_RENEW_S)
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            if proc.poll() is None:
+                proc.kill()
+
+
 async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int = 32,
                       turns: int = 1000, fsync: str = "batch", json_out: bool = False,
-                      workers: int | None = None) -> int:
+                      workers: int | None = None, session_actors: int = 1) -> int:
     """Explicit `built-in:echo` calls end to end (request published -> turn completed and
     seen by the client), one at a time and `concurrency` in flight; then `turns` turns of
-    one session, to show a turn costs the same late in a long session as early."""
+    one session, to show a turn costs the same late in a long session as early. With
+    `session_actors` > 1, that many session-actor processes share the partitions (the
+    one of `toolbus up`, and `toolbus actor session` for each other)."""
     machine = _machine()
-    async with _system(nats_url, *_workers_args(workers), fsync=fsync) as url:
+    async with _system(nats_url, *_workers_args(workers), fsync=fsync) as url, \
+            _session_actors(url, session_actors - 1 if nats_url is None else session_actors):
         bus = await connect(url, name="toolbus-bench")
         responder = await connect(url, name="toolbus-bench-responder")
         client = ToolbusClient(bus)
@@ -341,6 +374,7 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
     lines = [*_floor_lines(floors), seq_line, par_line, Line(early), late_line]
     report: dict[str, Any] = {
         "machine": machine, "fsync": fsync if not nats_url else None,
+        "session_actors": session_actors,
         "rows": [_line_json(x) for x in lines],
         "ratios": {
             "seq_p50_vs_js_publish": round(seq_line.ratio("p50", floors.js), 2),
@@ -359,7 +393,8 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
         return 0 if failures == 0 else 1
     ratios = report["ratios"]
     print(_header("calls", machine, f"{_fsync_text(nats_url, fsync)}; n {n}, "
-                                    f"{concurrency} in flight, {turns} turns in one session"))
+                                    f"{concurrency} in flight, {turns} turns in one session; "
+                                    f"{session_actors} session-actor process(es)"))
     _print_lines(lines)
     print(f"\nsequential call: p50 {seq.p50_ms:.2f} ms = {ratios['seq_p50_vs_js_publish']}x "
           f"one raw JetStream publish+ack, {ratios['seq_p50_vs_request_reply']}x one raw "

@@ -21,7 +21,7 @@ import msgspec
 # commands import their modules inside, so a short command starts fast.
 from bus.connection import Bus, as_bus_error, connect
 from bus.eventlog import EventLog
-from bus.subjects import approval_subject
+from bus.subjects import DEFAULT_PARTITIONS, approval_subject
 from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
 from schemas.errors import RpcError, ToolbusError
 from schemas.events import (
@@ -69,6 +69,11 @@ def _add_fsync(p: argparse.ArgumentParser) -> None:
 
 
 def _add_actor_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=_tcp_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on GET http://HOST:PORT/metrics, without a "
+                        "token (default: off; --http-port serves /metrics too, with one)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="the address --metrics-port listens on (default 127.0.0.1)")
     p.add_argument("--manifest", type=Path, default=None, metavar="FILE",
                    help="YAML manifest declaring the tools to serve (see deploy/examples/)")
     p.add_argument("--tools", action="append", default=[], metavar="MODULE",
@@ -84,6 +89,14 @@ def _add_actor_options(p: argparse.ArgumentParser) -> None:
                         f"(default {EXECUTOR_ACK_WAIT_S:g})")
     p.add_argument("--max-in-flight", type=_positive_int, default=MAX_IN_FLIGHT,
                    help=f"calls one executor process runs at once (default {MAX_IN_FLIGHT})")
+    p.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+                   help="copies of each stream and bucket, rescaling existing ones in place "
+                        "(default: 3 on a NATS cluster, 1 on a single server; existing "
+                        "streams keep theirs)")
+    p.add_argument("--partitions", type=_positive_int, default=None, metavar="N",
+                   help="partitions sessions are spread over, shared by the session-actor "
+                        "and planner processes; fixed when the store is first made "
+                        f"(default {DEFAULT_PARTITIONS}; then the store's)")
 
 
 def _positive_int(text: str) -> int:
@@ -250,6 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", default=None, help="who decides (default: $USER)")
     _add_nats(p)
 
+    p = sub.add_parser("top", help="one deployment's metrics, live: sessions, calls/s, "
+                                   "p50/p99 by tool, lag per pool")
+    p.add_argument("--url", action="append", default=[], metavar="URL",
+                   help="a Prometheus endpoint: the gateway's /metrics or a --metrics-port "
+                        "(repeatable, merged; default http://127.0.0.1:8787/metrics)")
+    p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                   help="the bearer token to send (default: DATA_DIR/auth/client.token, if "
+                        "it exists)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="where `toolbus up` keeps its credentials (default: "
+                        "$TOOLBUS_DATA_DIR, then the user data dir)")
+    p.add_argument("--interval", type=_positive_float, default=2.0, metavar="SECONDS",
+                   help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true",
+                   help="print one snapshot (rates over one interval) and exit")
+
     p = sub.add_parser("bench", help="benchmarks beside their floor, measured in the same run")
     p.add_argument("what", choices=["calls", "validation", "mcp", "replay", "agent",
                                     "compress"])
@@ -264,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=_positive_int, default=None,
                    help="calls, agent: turns of the one long session (default 1000; agent: "
                         "100)")
+    p.add_argument("--session-actors", type=_positive_int, default=1, metavar="N",
+                   help="calls: session-actor processes sharing the partitions (default 1: "
+                        "the one of the measured `toolbus up`; with --nats, N started here)")
     p.add_argument("--events", type=_positive_int, default=10_000,
                    help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
@@ -278,6 +310,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "top":  # reads HTTP endpoints, not NATS
+        from services.top import TopError, read_token, top
+        try:
+            token = read_token(args.token_file, args.data_dir or default_data_dir())
+        except TopError as exc:
+            print(f"toolbus top: {exc}", file=sys.stderr)
+            return exc.code
+        try:
+            return top(args.url or ["http://127.0.0.1:8787/metrics"], token=token,
+                       interval_s=args.interval, once=args.once)
+        except KeyboardInterrupt:
+            return 130
+        except BrokenPipeError:
+            with contextlib.suppress(OSError):  # `| head`: stop quietly
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
     try:
         # `up` runs its own server unless told of one (`--nats` or $NATS_URL).
         external = getattr(args, "nats", None) or os.environ.get("NATS_URL")
@@ -293,11 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 data_dir = args.data_dir or default_data_dir()
                 return up(nats_url=url if external else None, data_dir=data_dir,
                           port=args.port, settings=_actor_settings(args), fsync=args.fsync,
-                          workers=args.workers, auth=not args.no_auth)
+                          workers=args.workers, auth=not args.no_auth,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
             case "actor":
                 from services.runtime import run_actor
                 return run_actor(url, args.kind, _actor_settings(args),
-                                 parent_pid=args.parent_pid)
+                                 parent_pid=args.parent_pid, metrics_port=args.metrics_port,
+                                 metrics_host=args.metrics_host)
             case "chat":
                 return _run(_chat(url, args))
             case "call":
@@ -340,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from services.bench import bench_calls
                 return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
                                         turns=args.turns or 1000, fsync=args.fsync,
-                                        json_out=args.json, workers=args.workers))
+                                        json_out=args.json, workers=args.workers,
+                                        session_actors=args.session_actors))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
@@ -389,7 +440,8 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
                          only=tuple(getattr(args, "only", ())),
                          http_port=getattr(args, "http_port", None),
                          instance=args.instance,
-                         ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight)
+                         ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight,
+                         replicas=args.replicas, partitions=args.partitions)
 
 
 _CONTROL = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}

@@ -27,21 +27,29 @@ def nats_url_for(role: str, explicit: str | None, data_dir: Path | None) -> str:
 
     A URL given without credentials borrows them from the data dir's URL for the same
     host and port, so `--nats nats://127.0.0.1:4333` works beside `toolbus up --port
-    4333` on the same machine."""
+    4333` on the same machine. A comma-separated list (a cluster's nodes) is kept as a
+    list: when none of its URLs has credentials and one names the data dir's server,
+    each borrows them."""
     given = explicit or os.environ.get("NATS_URL")
     stored = read_role_url(data_dir or default_data_dir(), role)
     if not given:
         return stored or DEFAULT_NATS_URL
-    if stored and "," not in given:
-        try:
-            a, b = urlsplit(given), urlsplit(stored)
-            same = (a.username is None and a.hostname == b.hostname
-                    and (a.port or 4222) == (b.port or 4222))
-        except ValueError:
-            same = False
-        if same:
-            return stored
-    return given
+    if not stored:
+        return given
+    urls = [u.strip() for u in given.split(",") if u.strip()]
+    try:
+        b = urlsplit(stored)
+        parts = [urlsplit(u) for u in urls]
+        if any(a.username is not None for a in parts) or not any(
+                a.hostname == b.hostname and (a.port or 4222) == (b.port or 4222)
+                for a in parts):
+            return given
+    except ValueError:
+        return given
+    if len(urls) == 1:
+        return stored
+    return ",".join(a._replace(netloc=f"{b.netloc.rpartition('@')[0]}@{a.netloc}").geturl()
+                    for a in parts)
 
 
 def default_data_dir() -> Path:
@@ -68,6 +76,12 @@ class ActorSettings:
     instance: str | None = None
     ack_wait_s: float = EXECUTOR_ACK_WAIT_S
     max_in_flight: int = MAX_IN_FLIGHT
+    # Copies of each stream and bucket (`--replicas`); None: 3 on a cluster, 1 otherwise,
+    # and existing streams keep theirs (bus/streams.py `provision`).
+    replicas: int | None = None
+    # Partitions sessions are spread over (`--partitions`), fixed when the store is first
+    # provisioned; None: the store's, or 8 for a new one.
+    partitions: int | None = None
 
 
 def load_manifest(path: Path) -> Manifest:

@@ -13,6 +13,7 @@ speak NATS. Every route is a thin mapping onto the bus; nothing here holds state
                                        "reason"} -> 200 taken | 409 already decided |
                                        404 not waiting | 400 bad body
     GET  /openapi.json                 this API as an OpenAPI document
+    GET  /metrics                      this process's metrics, Prometheus text (any role)
     GET  /healthz                      no token; says nothing but "up"
 
 The edge, in the order it is checked (DESIGN.md, "Roles and permissions"):
@@ -459,10 +460,12 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 def build_app(bus: Bus, *, tokens: Mapping[str, str],
               allowed_hosts: Sequence[str] = DEFAULT_HOSTS,
-              allowed_origins: Sequence[str] = ()) -> FastAPI:
+              allowed_origins: Sequence[str] = (),
+              metrics: Callable[[], str] | None = None) -> FastAPI:
     """The gateway over `bus`. `tokens` maps each bearer token to its role (`client`,
     `approver` or `admin`); `allowed_hosts` are the names it answers to (any port);
-    `allowed_origins` the web origins (`https://host[:port]`) whose pages may call it."""
+    `allowed_origins` the web origins (`https://host[:port]`) whose pages may call it;
+    `metrics` renders what `/metrics` serves (404 without it)."""
     known = _Tokens.of(tokens)  # before anything else: a bad token fails at once
     hosts = frozenset(f"[{h.lower()}]" if ":" in h and not h.startswith("[") else h.lower()
                       for h in allowed_hosts)
@@ -606,6 +609,17 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
              responses={200: _json({"type": "object"}, "OpenAPI 3"), **_failures(403)})
     async def openapi(role: AnyRole) -> Response:
         return JSONResponse(app.openapi())
+
+    @app.get("/metrics", summary="This process's metrics, in the Prometheus text format",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition 0.0.4"},
+                        **_failures(404)})
+    async def metrics_text(role: AnyRole) -> Response:
+        # Any role's token: a scraper is given the least one (client). Rendered here, in
+        # the event loop that owns the actors' state the gauges read.
+        if metrics is None:
+            return _error(404, "metrics are off in this process")
+        return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/healthz", response_model=Health, summary="Is the gateway up (no token)")
     async def health() -> Response:

@@ -31,6 +31,7 @@ from schemas.ids import split_tool_name
 from schemas.manifest import McpServerConfig, PolicyConfig, unknown_tool_refs
 from schemas.policy import Policy
 from services.config import ActorSettings, default_data_dir, subprocess_path, tool_secrets
+from services.metrics import LagPoller, MetricsServer, install_metrics, serve_metrics
 from services.process import EXIT_BUS, die_with_parent, parent_is, run
 from services.telemetry import install_tracing, shutdown_tracing
 from services.workers import WORKER_READY, Workers
@@ -168,10 +169,17 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         # saves a bus hop per call; the events are the same.
         session = SessionActor(bus, max_parallel=policy.max_parallel, max_calls=max_calls,
                                approval=approval, default_agent=policy.default_agent,
-                               accept_messages=model is not None)
+                               accept_messages=model is not None,
+                               instance=_member_name(settings.instance, "session"))
         await session.start()
         started.append(session)
     return started
+
+
+def _member_name(instance: str | None, kind: str) -> str | None:
+    """The name this process goes by among the processes sharing the partitions: its
+    `--instance` (with the kind), or a name made of the host and the pid."""
+    return f"{instance}-{kind}" if instance else None
 
 
 async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
@@ -200,7 +208,7 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
                       agents=agent_profiles(agent, default=model),
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
-                      ack_wait_s=settings.ack_wait_s)
+                      instance=_member_name(settings.instance, "planner"))
     # The named agents' tools (`agent:<name>`) run here, beside the planner that plans
     # their child turns; named apart from this process's other executors.
     runner = AgentExecutor(bus, agent.agents,
@@ -344,24 +352,44 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
                      *, server: EmbeddedServer | None = None,
                      workers: Workers | None = None,
                      banner: str | Callable[[list[Actor]], str] | None = None,
-                     gateway_tokens: Mapping[str, str] | None = None) -> int:
+                     gateway_tokens: Mapping[str, str] | None = None,
+                     metrics_port: int | None = None,
+                     metrics_host: str = "127.0.0.1", worker: bool = False) -> int:
     # Spans are exported only when the OTEL_* variables ask for it (services/telemetry.py).
     tracing = install_tracing(f"toolbus-{'+'.join(kinds)}")
+    # Metrics, when something will read them: a scrape endpoint or OTLP (services/metrics.py).
+    meter = install_metrics(f"toolbus-{'+'.join(kinds)}",
+                            prometheus=settings.http_port is not None or metrics_port is not None,
+                            env_endpoint=not worker)
     bus = await connect(url, name=f"toolbus-{'+'.join(kinds)}")
     stop = asyncio.Event()
     _stop_on_signals(stop)
     exit_code = 0
     actors: list[Actor] = []
     gateway: _Gateway | None = None
+    scrape: MetricsServer | None = None
+    lag: LagPoller | None = None
     try:
-        await provision(bus)
+        if meter is not None:
+            address = (metrics_host, metrics_port) if metrics_port is not None else \
+                meter.prometheus_env
+            if address is not None:
+                scrape = await serve_metrics(
+                    meter.scrape, host=address[0], port=address[1],
+                    flag="--metrics-port" if metrics_port is not None
+                    else "OTEL_EXPORTER_PROMETHEUS_PORT")
+        await provision(bus, replicas=settings.replicas, partitions=settings.partitions)
         if workers is not None:
             # Their executors register the tools before the session actor admits calls.
             await _unless_stopped(stop, workers.start())
         actors = await _unless_stopped(stop, start_actors(bus, kinds, settings))
         if settings.http_port is not None:
             gateway = await start_gateway(bus, settings.http_port,
-                                          tokens=gateway_tokens or {})
+                                          tokens=gateway_tokens or {},
+                                          metrics=meter.scrape if meter is not None else None)
+        if meter is not None:
+            lag = LagPoller(bus)
+            await lag.start()
         # Everything loaded so far (modules, schemas, catalogs) lives as long as the
         # process: moved out of the collector's sight, so its passes over the young
         # objects of each call stay short (fewer and shorter pauses in the p99).
@@ -391,6 +419,10 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
               flush=True)
         exit_code = _EXIT_INTERRUPTED
     finally:
+        if scrape is not None:
+            await scrape.stop()
+        if lag is not None:
+            await lag.stop()
         if gateway is not None:
             await gateway.stop()
         await stop_actors(actors)
@@ -399,6 +431,8 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
         await bus.close()
         if tracing:
             await asyncio.to_thread(shutdown_tracing)
+        if meter is not None:
+            await asyncio.to_thread(meter.shutdown)
     return exit_code
 
 
@@ -415,7 +449,8 @@ class _Gateway:
 
 async def start_gateway(bus: Bus, port: int, *, tokens: Mapping[str, str],
                         allowed_hosts: Sequence[str] | None = None,
-                        allowed_origins: Sequence[str] = ()) -> _Gateway:
+                        allowed_origins: Sequence[str] = (),
+                        metrics: Callable[[], str] | None = None) -> _Gateway:
     """The HTTP gateway on 127.0.0.1:`port`, in this event loop; `tokens` maps each bearer
     token to its role, `allowed_hosts` defaults to the loopback names (services/gateway.py).
     `ConfigError` if it cannot listen there."""
@@ -425,7 +460,7 @@ async def start_gateway(bus: Bus, port: int, *, tokens: Mapping[str, str],
 
     from services.gateway import DEFAULT_HOSTS, build_app
 
-    app = build_app(bus, tokens=tokens, allowed_origins=allowed_origins,
+    app = build_app(bus, tokens=tokens, allowed_origins=allowed_origins, metrics=metrics,
                     allowed_hosts=DEFAULT_HOSTS if allowed_hosts is None else allowed_hosts)
     # Bound here, not by uvicorn: it answers a bind error with sys.exit, which would end
     # this whole event loop with a traceback instead of one line.
@@ -454,7 +489,8 @@ async def start_gateway(bus: Bus, port: int, *, tokens: Mapping[str, str],
 
 
 def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettings,
-       fsync: str = "batch", workers: int = 1, auth: bool = True) -> int:
+       fsync: str = "batch", workers: int = 1, auth: bool = True,
+       metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
     """Everything in one process (`workers=1`), or the session and approval actors here
     and the executors and MCP connectors in `workers - 1` child processes."""
     if workers < 1:
@@ -488,7 +524,8 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
                       else Credentials.ensure(data_dir)).tokens()
         try:
             return run(run_actors(url, kinds, settings, server=server, workers=children,
-                                  banner=banner, gateway_tokens=tokens))
+                                  banner=banner, gateway_tokens=tokens,
+                                  metrics_port=metrics_port, metrics_host=metrics_host))
         except WorkerError as exc:
             print(f"toolbus: {exc}", file=sys.stderr, flush=True)
             code = exc.code if exc.code is not None and 0 < exc.code <= EXIT_BUS else EXIT_BUS
@@ -499,7 +536,8 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
 
 
 def run_actor(url: str, kind: str, settings: ActorSettings, *,
-              parent_pid: int | None = None) -> int:
+              parent_pid: int | None = None, metrics_port: int | None = None,
+              metrics_host: str = "127.0.0.1") -> int:
     """`toolbus actor KIND`: one actor kind alone, or `worker`: every executor pool and
     MCP connector, as each child of `toolbus up --workers N` runs them."""
     if parent_pid is not None:
@@ -508,9 +546,10 @@ def run_actor(url: str, kind: str, settings: ActorSettings, *,
             print(f"toolbus: the parent process {parent_pid} is gone; not starting",
                   file=sys.stderr, flush=True)
             return EXIT_BUS
-    if kind == "worker":
-        return run(run_actors(url, ["executors", "mcp"], settings, banner=worker_banner(url)))
-    return run(run_actors(url, [kind], settings, banner=f"toolbus {kind} actor on {redact(url)}"))
+    kinds, banner = (["executors", "mcp"], worker_banner(url)) if kind == "worker" else \
+        ([kind], f"toolbus {kind} actor on {redact(url)}")
+    return run(run_actors(url, kinds, settings, banner=banner, metrics_port=metrics_port,
+                          metrics_host=metrics_host, worker=parent_pid is not None))
 
 
 def _ready_timeout_s(settings: ActorSettings) -> float:

@@ -54,6 +54,8 @@ def worker_command(settings: ActorSettings, *, instance: str, parent_pid: int,
         cmd += ["--manifest", str(settings.manifest_path.resolve())]
     for target in settings.tools:
         cmd += ["--tools", target]
+    if settings.replicas is not None:
+        cmd += ["--replicas", str(settings.replicas)]
     return cmd
 
 

@@ -21,7 +21,7 @@ from bus.artifacts import ArtifactStore
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import EventLog
-from bus.subjects import REQUESTS_PREFIX
+from bus.subjects import request_subject
 from schemas.events import (
     CallFailed,
     CallSucceeded,
@@ -182,7 +182,7 @@ async def test_context_status_tells_the_turns_budget_and_the_stored_keys(
 async def _inject(bus: Bus, sid: str, body: dict[str, Any]) -> str:
     """A tool event as a program sends it over NATS; its event id."""
     event_id = tool_event_id(sid, body["idempotency_key"])
-    await bus.js.publish(f"{REQUESTS_PREFIX}.{sid}.tool_events", msgspec.json.encode(body),
+    await bus.js.publish(request_subject(sid), msgspec.json.encode(body),
                          headers={"Nats-Msg-Id": client_request_id(sid, event_id)})
     return event_id
 
@@ -226,7 +226,7 @@ async def test_the_same_idempotency_key_twice_stores_one_event(
     assert first == again
     await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
     # Past the requests stream's duplicate window too: a new message, the same key.
-    await bus.js.publish(f"{REQUESTS_PREFIX}.{sid}.tool_events",
+    await bus.js.publish(request_subject(sid),
                          msgspec.json.encode({**body, "result": "a third"}))
     await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
     events = [s.event for s in await EventLog(bus).read_session(sid)]
@@ -294,7 +294,7 @@ async def test_a_large_injected_result_is_stored_by_reference_and_recalled_by_it
     # The same key again, another body, past the duplicate window (no message id):
     # nothing is stored, and the first event's data is untouched.
     other = [{"day": i, "memo": "y" * 90} for i in range(900)]
-    await bus.js.publish(f"{REQUESTS_PREFIX}.{sid}.tool_events", msgspec.json.encode(
+    await bus.js.publish(request_subject(sid), msgspec.json.encode(
         {"tool_id": "injected:ledger", "result": other, "idempotency_key": "ledger-1"}))
     await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}], timeout=10)
     after = [s.event for s in await EventLog(bus).read_session(sid)]

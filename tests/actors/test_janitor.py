@@ -120,7 +120,7 @@ async def test_a_call_queued_on_a_live_instance_is_left_to_it_even_past_its_time
 def test_an_orphan_is_ended_only_after_its_timeout_counted_from_its_latest_start() -> None:
     d = CallDispatched(session_id="s", at=100.0, actor="session", call_id="c", turn_id="t",
                        tool="ns:write", arguments={}, route="instance.i-1.ns", timeout_ms=10_000)
-    gone = Backlog(None, "i-1", "ns", "toolbus.evt.*.call.dispatched.instance.i-1.ns", 0)
+    gone = Backlog(None, "i-1", "ns", "toolbus.evt.*.*.call.dispatched.instance.i-1.ns", 0)
     queued = CallState(call_id="c", turn_id="t", tool="ns:write", arguments={},
                        status="dispatched")
 

@@ -204,9 +204,10 @@ async def test_a_flood_of_poison_requests_gets_stored_rejections_and_blocks_nobo
         assert isinstance(end, TurnCompleted) and end.ok
         assert end.outcomes[0].result == {"text": "hi"}
 
-        # Nothing is left to be redelivered after a restart.
-        info = await _consumer_drained(bus, REQUESTS_STREAM, "session-requests")
-        assert (info.num_ack_pending, info.num_pending) == (0, 0), info
+        # Nothing is left to be redelivered after a restart, in any partition.
+        for part in range(bus.partitions):
+            info = await _consumer_drained(bus, REQUESTS_STREAM, f"session-requests-p{part}")
+            assert (info.num_ack_pending, info.num_pending) == (0, 0), info
     finally:
         await raw.close()
 
@@ -235,7 +236,8 @@ class _TurnRecorder:
         self.handled = asyncio.Event()
         self.kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, self.durable,
-                         (event_subject(session_id, "turn.requested"),), ack_wait_s=30),
+                         (event_subject(session_id, "turn.requested",
+                                        partitions=bus.partitions),), ack_wait_s=30),
             self._handle, self._reject))
 
     async def _handle(self, delivery: Delivery) -> None:
@@ -279,7 +281,7 @@ async def test_a_decide_that_raises_is_a_stored_rejection_and_the_session_goes_o
         assert rej.reason == "internal" and rej.session_id == sid
         assert "ValueError: turn " in rej.message
         assert "of request boom cannot be decided" in rej.message
-        assert rej.subject == event_subject(sid, "turn.requested")
+        assert rej.subject == event_subject(sid, "turn.requested", partitions=bus.partitions)
         assert rej.excerpt is not None and '"request_id":"boom"' in rej.excerpt
         # "fine" came after the rejection of "boom" was stored, and only "fine" was handled.
         assert actor.order == [("rejected", "boom"), ("handled", "fine")]
@@ -418,7 +420,7 @@ async def test_racing_decide_and_write_loops_store_exactly_n_facts_and_agree_wit
 async def test_an_unreadable_event_does_not_stop_the_session_actor(
     bus: Bus, client: ToolbusClient, sid: str
 ) -> None:
-    subject = event_subject(sid, "call.requested")
+    subject = event_subject(sid, "call.requested", partitions=bus.partitions)
     garbage = b"\x00\xffnot an event at all"
     ack = await bus.js.publish(subject, garbage, timeout=5,
                                headers={Header.MSG_ID.value: f"{sid}:garbage"})
@@ -493,8 +495,9 @@ async def test_a_stored_message_posing_as_a_server_status_is_still_handled(
         async with EventWatch(bus, f"{sid}-s{i}") as w:
             events = await w.until(lambda evs: bool(evs), timeout=5)
         assert isinstance(events[0], RequestRejected)
-    info = await bus.js.consumer_info(REQUESTS_STREAM, "session-requests")
-    assert info.num_ack_pending == 0
+    for part in range(bus.partitions):
+        info = await _consumer_drained(bus, REQUESTS_STREAM, f"session-requests-p{part}")
+        assert info.num_ack_pending == 0
 
 
 async def test_a_malformed_traceparent_is_not_copied_onto_events(bus: Bus, sid: str) -> None:
@@ -523,7 +526,9 @@ async def test_a_message_whose_handler_never_finishes_is_rejected_after_redelive
 
     kernel = Kernel(bus, "dying", max_deliveries=1)
     kernel.add(Inbox(ConsumerSpec(EVENTS_STREAM, durable,
-                                  (event_subject(sid, "turn.requested"),), ack_wait_s=0.3),
+                                  (event_subject(sid, "turn.requested",
+                                                 partitions=bus.partitions),),
+                                  ack_wait_s=0.3),
                      dies, lambda d, reason, message: [kernel.generic_rejection(
                          d, reason, message)]))
     await kernel.start()

@@ -251,7 +251,7 @@ async def test_text_deltas_are_published_live_and_not_stored(
     assert isinstance(end, TurnCompleted)
     assert "".join(d["text"] for d in deltas) == "Tokyo is 9 hours ahead of UTC."
     assert {d["iteration"] for d in deltas} == {1}
-    types = {s.subject.split(".")[3] for s in await EventLog(bus).read_session(sid)}
+    types = {s.subject.split(".")[4] for s in await EventLog(bus).read_session(sid)}
     assert "model" in types and not any("delta" in s.subject
                                         for s in await EventLog(bus).read_session(sid))
 

@@ -36,6 +36,9 @@ def test_deploy_roles_match_the_embedded_servers() -> None:
 @pytest.mark.parametrize("conf", ["single.conf", "cluster/node-1.conf"])
 def test_deploy_configs_are_valid_and_need_every_password(conf: str) -> None:
     env = {password_variable(r): _password() for r in ROLES}
+    if conf.startswith("cluster/"):  # authenticated routes: deploy/nats/README.md
+        env["TOOLBUS_ROUTE_PASSWORD"] = route = _password()
+        env["TOOLBUS_ROUTES"] = f"[nats-route://route:{route}@127.0.0.1:6223]"
     ok = subprocess.run([nats_server_binary(), "-c", str(DEPLOY / conf), "-t"],
                         capture_output=True, text=True, env=env, timeout=30)
     assert ok.returncode == 0, ok.stderr + ok.stdout
@@ -70,8 +73,8 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
     client = await connect(urls["client"], name="test-client")
     try:
         # Forging an event, the catalog, an approval, or managing streams: refused.
-        for subject in (event_subject(sid, "call.succeeded"),
-                        event_subject(sid, "approval.granted", "c1"),
+        for subject in (event_subject(sid, "call.succeeded", partitions=8),
+                        event_subject(sid, "approval.granted", "c1", partitions=8),
                         "$KV.toolbus_catalog.evil.tool",
                         "$KV.toolbus_approvals.x.y",
                         approval_subject(sid, "c1", "client"),
@@ -85,7 +88,7 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
         # Nor by aiming an answer at one: a publish acknowledgement or an actor's reply
         # sent to a reply subject of the client's choosing.
         for subject in ("toolbus.req.x", f"toolbus.ctl.state.{sid}"):
-            for target in (event_subject(sid, "call.succeeded", "c1"),
+            for target in (event_subject(sid, "call.succeeded", "c1", partitions=8),
                            "$KV.toolbus_catalog.built-in.echo"):
                 await client.nc.publish(subject, b"digest", reply=target)
         await client.nc.flush()
@@ -113,7 +116,7 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
     try:  # the operator inspects and trims the store, but writes no event
         assert b"TOOLBUS_EVENTS" in await admin.request("$JS.API.STREAM.INFO.TOOLBUS_EVENTS",
                                                         b"", timeout=5)
-        for subject in (event_subject(sid, "call.succeeded"),
+        for subject in (event_subject(sid, "call.succeeded", partitions=8),
                         "$JS.API.STREAM.UPDATE.TOOLBUS_EVENTS", "$KV.toolbus_catalog.x.y",
                         "$JS.API.STREAM.CREATE.EVIL", "_INBOX.anything"):
             with pytest.raises(PermissionDeniedError, match="denies the admin role"):

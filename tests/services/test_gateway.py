@@ -285,7 +285,7 @@ async def test_openapi_json_documents_every_route_with_its_schemas(web: Web) -> 
         ("POST", "/sessions/{sid}/requests"), ("GET", "/sessions/{sid}/state"),
         ("POST", "/sessions/{sid}/tool_events"),
         ("GET", "/approvals"), ("POST", "/approvals/{sid}/{call_id}"),
-        ("GET", "/openapi.json"), ("GET", "/healthz")}
+        ("GET", "/openapi.json"), ("GET", "/metrics"), ("GET", "/healthz")}
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     for path, ops in doc["paths"].items():
         for op in ops.values():

@@ -76,7 +76,7 @@ class Published:
 
     def __init__(self, bus: Bus, sid: str) -> None:
         self.bus = bus
-        self.subject = f"{REQUESTS_PREFIX}.{sid}.>"
+        self.subject = f"{REQUESTS_PREFIX}.{sid}"
         self.messages: list[bytes] = []
 
     async def __aenter__(self) -> Published:
