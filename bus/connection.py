@@ -42,6 +42,12 @@ class Bus:
     # How many partitions sessions are spread over (bus/subjects.py): read from the
     # events stream by `provision`, which every actor process runs before writing.
     partitions: int = 1
+    # The events stream has replicas (a cluster): a checked append can then be stored
+    # after another of its session's events still in flight (NATS applies the check to
+    # what the leader has applied), and pipelined appends can be reordered by a leader
+    # change, so decisions are appended one by one and re-read (bus/eventlog.py,
+    # actors/kernel.py). Set by `provision`.
+    replicated: bool = False
     # Requests waiting on a subject: failed at once if NATS denies publishing to it.
     _waiting: dict[str, set[asyncio.Future[bytes]]] = field(default_factory=dict)
 

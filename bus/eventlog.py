@@ -32,7 +32,10 @@ from schemas.events import AnyEvent, Event, decode_event, encode_event, event_ty
 log = logging.getLogger("toolbus.bus")
 
 _WRONG_LAST_SEQUENCE = 10071
-_APPEND_ATTEMPTS = 6
+_IN_PROCESS = 10158  # "duplicate message id is in process"
+# Retried with the same message id (never stored twice) over at least 15 s of backoff:
+# long enough for a cluster to elect a new stream leader when a node dies.
+_APPEND_ATTEMPTS = 20
 _APPEND_TIMEOUT_S = 2.0
 _READ_BATCH = 1024
 _CONSUMER_READ_OVER = 1024  # events still to read above which an ephemeral consumer pays
@@ -165,6 +168,10 @@ class EventLog:
         # across every process, whose append of that message id the stream kept.
         self.observer: Callable[[Event, AppendResult], None] | None = None
 
+    @property
+    def replicated(self) -> bool:
+        return self._bus.replicated
+
     def _prepare(self, item: Append, expect_last: int | None, expect_subject: str | None,
                  extra: Mapping[str, str] | None) -> tuple[str, bytes, dict[str, str]]:
         event = item.event
@@ -214,6 +221,13 @@ class EventLog:
                 ack = await self._pub.publish(subject, payload, hdrs, _APPEND_TIMEOUT_S)
             except _RETRYABLE as exc:
                 last_error = exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if ack.error is not None and int(ack.error.get("err_code", 0)) == _IN_PROCESS:
+                # An earlier attempt of this very message is still being stored (a
+                # cluster between leaders): ask again, and learn its sequence.
+                last_error = AppendError(subject, str(ack.error.get("description", "")))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -274,6 +288,11 @@ class EventLog:
         # accepts either order. Every event is prepared (size-checked) before any is sent.
         expects = [expect_last if i == 0 else None for i in range(len(items))]
         prepared = [self._prepare(item, expect, None, headers)
+                    for item, expect in zip(items, expects, strict=True)]
+        if self._bus.replicated:
+            # One after another, each once the one before is stored: a leader change
+            # could otherwise store a later event of the decision and lose an earlier.
+            return [await self.append(item, expect_last=expect, headers=headers)
                     for item, expect in zip(items, expects, strict=True)]
         pending = [await self._send(item, one, expect, headers)
                    for item, one, expect in zip(items, prepared, expects, strict=True)]

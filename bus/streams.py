@@ -173,6 +173,8 @@ async def provision(bus: Bus, *, replicas: int | None = None,
         bus.partitions = await stored_partitions(bus, partitions)
         await ensure_stream(bus, dataclasses.replace(
             events_stream_config(bus.partitions), num_replicas=n), rescale=rescale)
+        events = await bus.js.stream_info(EVENTS_STREAM)
+        bus.replicated = (events.config.num_replicas or 1) > 1
         await ensure_stream(bus, dataclasses.replace(
             requests_stream_config(bus.partitions), num_replicas=n), rescale=rescale)
         ttls = {EXECUTORS_BUCKET: EXECUTORS_TTL_S, LEASES_BUCKET: LEASE_TTL_S}
