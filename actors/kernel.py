@@ -355,6 +355,7 @@ class SessionStates:
             entry = Entry(state)
             for stored in await self._log.read_session(sid, after=state.last_seq):
                 self._fold(entry, stored.seq, stored.event)
+            await self._complete(entry)
             entry.caught_up.set()
             self._cache[sid] = entry
             self._evict()
@@ -447,13 +448,52 @@ class SessionStates:
             self._saving.add(task)
             task.add_done_callback(self._saving.discard)
 
+    async def _complete(self, entry: Entry, attempts: int = 40) -> None:
+        """On a replicated store, read on until the state reaches the session's last event
+        as the stream's leader knows it: reads are direct gets, which a replica that is
+        behind may answer, and an event missed here may never be delivered again."""
+        if not self._log.replicated:
+            return
+        sid = entry.state.session_id
+        target = await self._log.last_seq_of(sid)
+        for _ in range(attempts):
+            if entry.state.last_seq >= target:
+                return
+            await asyncio.sleep(0.05)
+            for stored in await self._log.read_session(sid, after=entry.state.last_seq):
+                self._fold(entry, stored.seq, stored.event)
+        log.warning("session %s: its log could not be read up to seq %d", sid, target)
+
     async def reread(self, entry: Entry) -> None:
         """Fold what was stored after the entry's last sequence (call with its lock)."""
         for stored in await self._log.read_session(entry.state.session_id,
                                                    after=entry.state.last_seq):
             self._fold(entry, stored.seq, stored.event)
+        await self._complete(entry)
         entry.written_upto = min(entry.written_upto, entry.state.last_seq)
         entry.caught_up.set()
+
+    async def rebuild(self, entry: Entry, *, attempts: int = 40) -> bool:
+        """Fold the session's whole log again, from its first event (call with the lock):
+        for an event delivered late, after later ones were folded (a redelivery across a
+        cluster's leader change), which folding skips. Never goes back: a read from a
+        replica that is behind is tried again (bounded); False if it never caught up."""
+        sid = entry.state.session_id
+        for _ in range(attempts):
+            fresh = Entry(SessionState(session_id=sid))
+            for stored in await self._log.read_session(sid):
+                self._fold(fresh, stored.seq, stored.event)
+            await self._complete(fresh)
+            if fresh.state.last_seq >= entry.state.last_seq:
+                entry.state = fresh.state
+                entry.written_upto = min(entry.written_upto, entry.state.last_seq)
+                entry.caught_up.set()
+                entry.settled = False
+                return True
+            await asyncio.sleep(0.05)
+        log.warning("session %s: could not re-read its log up to seq %d", sid,
+                    entry.state.last_seq)
+        return False
 
     async def catch_up(self, entry: Entry, timeout: float = 2.0) -> None:
         """Wait (lock not held) until this process's own writes have come back through

@@ -947,12 +947,13 @@ class Planner:
             return
         entry = await self._states.entry(sid)
         async with entry.lock:
-            stored = None
+            stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
             if delivery.stream_seq > entry.state.last_seq:
-                stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
                 self._states.fold(entry, stored.seq, stored.event)
-            else:
-                stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
+            elif delivery.num_delivered > 1:
+                # A redelivery behind what is folded: maybe one never seen (see the
+                # session actor); fold the log again.
+                await self._states.rebuild(entry)
             event = stored.event
             if isinstance(event, ModelRequested):
                 await self._answer(entry, event, delivery)

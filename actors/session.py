@@ -510,7 +510,12 @@ class SessionActor:
             return
         entry = await self._states.entry(sid)
         async with entry.lock:
-            if delivery.stream_seq <= entry.state.last_seq and entry.settled and \
+            if delivery.stream_seq <= entry.state.last_seq and delivery.num_delivered > 1:
+                # Delivered again after later events were folded: if it is one this
+                # state never saw (its first delivery was lost with a node), fold the
+                # log again so it is in its place.
+                await self._states.rebuild(entry)
+            elif delivery.stream_seq <= entry.state.last_seq and entry.settled and \
                     entry.is_caught_up:
                 # Already folded (mostly our own writes coming back): the state has not
                 # changed since the last decision, so nothing new can be due.

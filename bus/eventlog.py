@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from bus.auth import READ_ONLY_ROLES
@@ -403,6 +404,16 @@ class EventLog:
     async def _direct_batch(self, filt: str, start: int
                             ) -> tuple[list[tuple[int, str, bytes]], int]:
         return await direct_batch(self._bus, EVENTS_STREAM, filt, start, _READ_BATCH)
+
+    async def last_seq_of(self, session_id: str) -> int:
+        """The sequence of the session's last event, asked of the stream's leader (not a
+        direct get, which any replica may answer, one that is behind among them): what a
+        complete read of the session must reach. 0 for a session with no event."""
+        try:
+            msg = await self._bus.js.get_last_msg(EVENTS_STREAM, session_filter(session_id))
+        except nats.js.errors.NotFoundError:
+            return 0
+        return int(msg.seq or 0)
 
     async def read_at(self, seq: int, *, timeout: float = 5.0) -> StoredEvent | None:
         """The event at one stream sequence (a direct get), None if there is none."""

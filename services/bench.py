@@ -331,7 +331,7 @@ async def bench_calls(nats_url: str | None, *, n: int = 2000, concurrency: int =
     one of `toolbus up`, and `toolbus actor session` for each other)."""
     machine = _machine()
     async with _system(nats_url, *_workers_args(workers), fsync=fsync) as url, \
-            _session_actors(url, session_actors - 1 if nats_url is None else session_actors):
+            _session_actors(url, session_actors - 1):
         bus = await connect(url, name="toolbus-bench")
         responder = await connect(url, name="toolbus-bench-responder")
         client = ToolbusClient(bus)

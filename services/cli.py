@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "100)")
     p.add_argument("--session-actors", type=_positive_int, default=1, metavar="N",
                    help="calls: session-actor processes sharing the partitions (default 1: "
-                        "the one of the measured `toolbus up`; with --nats, N started here)")
+                        "the one of the measured `toolbus up`; more are started here, also "
+                        "with --nats)")
     p.add_argument("--events", type=_positive_int, default=10_000,
                    help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
