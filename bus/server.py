@@ -159,9 +159,12 @@ class EmbeddedServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                tail = self._tail()
+                if self.process.stderr is not None:
+                    self.process.stderr.close()
                 raise ServerStartError(
                     f"nats-server exited with code {self.process.returncode}: "
-                    f"{self._tail()} (log: {self._log_path})"
+                    f"{tail} (log: {self._log_path})"
                 )
             with contextlib.suppress(OSError), socket.create_connection(
                 (self.host, self.port), timeout=0.2

@@ -145,9 +145,14 @@ def write_cluster(root: Path) -> Cluster:
     passwords = {r: _password() for r in ROLES}
     route_password = _password()
     nodes = []
+    ports: list[int] = []
+    while len(ports) < 3 * NODES:  # distinct: a port just released can come back at once
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     for i in range(1, NODES + 1):
         text = (DEPLOY / "cluster" / f"node-{i}.conf").read_text()
-        node = Node(i, free_port(), free_port(), free_port(),
+        node = Node(i, ports.pop(), ports.pop(), ports.pop(),
                     root / "cluster" / f"node-{i}.conf", root / f"node-{i}.log")
         for default, port in ((4221 + i, node.client_port), (6221 + i, node.route_port),
                               (8221 + i, node.monitor_port)):

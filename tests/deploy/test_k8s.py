@@ -27,6 +27,7 @@ from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
 from bus.subjects import EVENTS_STREAM, dispatch_filter
 from schemas.defaults import SERVER_MAX_PAYLOAD
+from schemas.errors import ServerStartError
 from schemas.tools import instance_route, pool_route
 from services.cli import _actor_settings, build_parser
 from services.runtime import ACTOR_KINDS, collect_tools, start_actors, stop_actors
@@ -304,9 +305,20 @@ def test_triggers_read_the_toolbus_account_on_the_monitoring_port_of_every_node(
 @pytest.fixture(scope="module")
 def monitored_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
     """A server with the roles (so accounts, as in the cluster) and HTTP monitoring."""
-    server = EmbeddedServer(tmp_path_factory.mktemp("k8s-nats"), port=free_port(),
-                            monitor_port=free_port())
-    server.start()
+    for attempt in range(3):
+        port = free_port()
+        monitor = free_port()
+        while monitor == port:  # a port just released can come back at once
+            monitor = free_port()
+        server = EmbeddedServer(tmp_path_factory.mktemp("k8s-nats"), port=port,
+                                monitor_port=monitor)
+        try:
+            server.start()
+            break
+        except ServerStartError:  # taken by another process meanwhile: other ports
+            server.stop()
+            if attempt == 2:
+                raise
     yield server
     server.stop()
 
