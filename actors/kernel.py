@@ -448,7 +448,7 @@ class SessionStates:
             self._saving.add(task)
             task.add_done_callback(self._saving.discard)
 
-    async def _complete(self, entry: Entry, attempts: int = 40) -> None:
+    async def _complete(self, entry: Entry) -> None:
         """On a replicated store, read on until the state reaches the session's last event
         as the stream's leader knows it: reads are direct gets, which a replica that is
         behind may answer, and an event missed here may never be delivered again."""
@@ -456,13 +456,13 @@ class SessionStates:
             return
         sid = entry.state.session_id
         target = await self._log.last_seq_of(sid)
-        for _ in range(attempts):
-            if entry.state.last_seq >= target:
-                return
-            await asyncio.sleep(0.05)
-            for stored in await self._log.read_session(sid, after=entry.state.last_seq):
-                self._fold(entry, stored.seq, stored.event)
-        log.warning("session %s: its log could not be read up to seq %d", sid, target)
+        if entry.state.last_seq >= target:
+            return
+        for stored in await self._log.read_from_leader(sid, after=entry.state.last_seq,
+                                                       until=target):
+            self._fold(entry, stored.seq, stored.event)
+        if entry.state.last_seq < target:
+            log.warning("session %s: its log could not be read up to seq %d", sid, target)
 
     async def reread(self, entry: Entry) -> None:
         """Fold what was stored after the entry's last sequence (call with its lock)."""

@@ -415,6 +415,25 @@ class EventLog:
             return 0
         return int(msg.seq or 0)
 
+    async def read_from_leader(self, session_id: str, *, after: int,
+                               until: int) -> list[StoredEvent]:
+        """The session's events after `after` up to `until`, asked of the stream's leader
+        one by one (for the few a replica that is behind did not have yet)."""
+        out: list[StoredEvent] = []
+        filt = session_filter(session_id)
+        seq = after
+        while seq < until:
+            try:
+                msg = await self._bus.js.get_msg(EVENTS_STREAM, seq + 1, subject=filt,
+                                                 next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            if msg.seq is None or msg.seq <= seq:
+                break
+            seq = msg.seq
+            out.append(decode_stored(seq, msg.subject or "", msg.data or b""))
+        return out
+
     async def read_at(self, seq: int, *, timeout: float = 5.0) -> StoredEvent | None:
         """The event at one stream sequence (a direct get), None if there is none."""
         api = f"$JS.API.DIRECT.GET.{EVENTS_STREAM}"

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from bus.auth import redact
 from bus.baseline import raw_ops
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
@@ -183,7 +184,7 @@ def _finish(report: dict[str, Any]) -> None:
 
 def _fsync_text(nats_url: str | None, fsync: str) -> str:
     return f"fsync {fsync} (embedded nats-server)" if not nats_url else \
-        f"server {nats_url} (fsync as configured there)"
+        f"server {redact(nats_url)} (fsync as configured there)"
 
 
 # --- measuring --------------------------------------------------------------------------
