@@ -28,10 +28,10 @@ import msgspec
 from actors.executor import Executor
 from actors.llm import complete
 from actors.llm.types import Message, ModelSettings
+from actors.planner import parse_structured
 from actors.tools import Resource, RunnableTool, ToolError
 from bus.connection import Bus
 from schemas.errors import ModelError
-from schemas.events import clip
 from schemas.tools import Annotations, ToolSpec
 from schemas.validation import Validator
 
@@ -45,24 +45,6 @@ def latent_prompt(spec: ToolSpec) -> str:
     return (f"You are the tool {spec.name}: {spec.description}\n"
             "You are given the call's arguments as JSON. Do what the tool does, and answer "
             f"with one JSON value that matches this JSON Schema, and nothing else: {schema}")
-
-
-def read_output(text: str, validator: Validator) -> tuple[Any, list[str]]:
-    """The model's answer as JSON (a ```json fence tolerated), and every way it breaks
-    the output schema."""
-    body = text.strip()
-    if body.startswith("```"):
-        body = body.split("\n", 1)[1] if "\n" in body else ""
-        body = body.rsplit("```", 1)[0].strip()
-    try:
-        value = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return None, [f"$: the answer is not JSON: {clip(text, 200)!r}"]
-    if isinstance(value, dict):
-        value, found = validator.check(value)
-    else:
-        found = validator.violations(value)
-    return value, [str(v) for v in found]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -92,7 +74,7 @@ class LatentTool:
             except ModelError as exc:
                 raise ToolError(str(exc), error_type="model_error",
                                 retryable=exc.retryable) from exc
-            value, violations = read_output(reply.text, validator)
+            value, violations = parse_structured(reply.text, validator)
             if not violations:
                 return value
             messages += [Message(role="assistant", text=reply.text),
