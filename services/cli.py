@@ -2,47 +2,54 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
-import logging
-import os
 import sys
-import time
-import uuid
-from collections.abc import Sequence
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import msgspec
+# A Ctrl-C while these load (the first fraction of a second) ends the command with one
+# line and the usual status, not a traceback of whichever import it interrupted.
+try:
+    import argparse
+    import asyncio
+    import contextlib
+    import logging
+    import os
+    import time
+    import uuid
+    from collections.abc import Sequence
+    from datetime import UTC, datetime
+    from pathlib import Path
+    from typing import TYPE_CHECKING, Any
 
-# Only what `toolbus replay` and the parser need is imported at the top: the other
-# commands import their modules inside, so a short command starts fast.
-from bus.connection import Bus, as_bus_error, connect
-from bus.eventlog import EventLog
-from bus.subjects import DEFAULT_PARTITIONS, approval_subject
-from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
-from schemas.errors import RpcError, ToolbusError
-from schemas.events import (
-    RequestRejected,
-    TurnCancelled,
-    TurnCompleted,
-    TurnFailed,
-    encode_event,
-    summarize,
-)
-from schemas.ids import check_session_id, check_tool_name
-from schemas.state import SessionState, encode_state, fold
-from services.config import (
-    ActorSettings,
-    default_data_dir,
-    default_workers,
-    load_manifest,
-    nats_url_for,
-)
-from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE
-from services.process import run as _run
+    import msgspec
+
+    # Only what `toolbus replay` and the parser need is imported at the top: the other
+    # commands import their modules inside, so a short command starts fast.
+    from bus.connection import Bus, as_bus_error, connect
+    from bus.eventlog import EventLog
+    from bus.subjects import DEFAULT_PARTITIONS, approval_subject
+    from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
+    from schemas.errors import RpcError, ToolbusError
+    from schemas.events import (
+        RequestRejected,
+        TurnCancelled,
+        TurnCompleted,
+        TurnFailed,
+        encode_event,
+        summarize,
+    )
+    from schemas.ids import check_session_id, check_tool_name
+    from schemas.state import SessionState, encode_state, fold
+    from services.config import (
+        ActorSettings,
+        default_data_dir,
+        default_workers,
+        load_manifest,
+        nats_url_for,
+    )
+    from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE
+    from services.process import run as _run
+except KeyboardInterrupt:
+    sys.stderr.write("toolbus: interrupted while starting\n")
+    raise SystemExit(130) from None
 
 if TYPE_CHECKING:
     from schemas.tools import ToolSpec

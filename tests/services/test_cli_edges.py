@@ -129,3 +129,24 @@ async def test_up_takes_its_server_from_nats_url_and_keeps_passwords_out_of_argv
         finally:
             code = up.stop()
     assert code == 0
+
+
+@pytest.mark.parametrize("delay", [0.03, 0.08, 0.15, 0.3])
+def test_ctrl_c_while_the_command_starts_is_one_line_not_a_traceback(tmp_path: Path,
+                                                                     delay: float) -> None:
+    # SIGINT lands while Python is still importing toolbus's modules (the first fraction
+    # of a second); the imports are guarded so the command ends with status 130.
+    import signal
+    import time
+
+    proc = subprocess.Popen([*toolbus_cmd(), "up", "--port", str(free_port()), "--data-dir",
+                             str(tmp_path / "data"), "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert "Traceback" not in err, err
+    # -2: the signal came before the interpreter had set up its own handler.
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
+    assert len(err.strip().splitlines()) <= 1, err
