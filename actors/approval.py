@@ -70,6 +70,9 @@ from schemas.validation import CompiledTools, describe
 log = logging.getLogger("toolbus.approval")
 
 ACTOR = "approval"
+# How long a `call.requested` waits for the store of its inline decision (see
+# `storing_inline`) before deciding it here anyway (deduplicated by the decision's id).
+_INLINE_WAIT_S = 5.0
 InstanceLookup = Callable[[str], "frozenset[str] | None"]
 
 
@@ -212,7 +215,10 @@ class ApprovalActor:
         self._unwatch: Callable[[], None] = lambda: None
         # Calls decided inline by the session actor of this process: the consumer acks
         # them without deciding again.
-        self._inline: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # (session, call) -> None: decided and stored by an actor of this process; a
+        # future: being stored right now (True once stored, False if the store failed).
+        self._inline: OrderedDict[tuple[str, str], asyncio.Future[bool] | None] = \
+            OrderedDict()
 
     @property
     def kernel(self) -> Kernel:
@@ -231,6 +237,31 @@ class ApprovalActor:
         them. Only after the store succeeded, so a skipped call is never left undecided."""
         for key in keys:
             self._inline[key] = None
+        self._trim()
+
+    def storing_inline(self, keys: list[tuple[str, str]]) -> Callable[[bool], None]:
+        """These decisions are being stored now: a `call.requested` delivered meanwhile
+        waits for the outcome (the planner's store of a model's calls and their decisions
+        is answered about when the consumer gets the call). Call the returned function
+        with whether the store succeeded; on False the consumer decides as usual."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self._inline[key] = future
+        self._trim()
+
+        def done(stored: bool) -> None:
+            if not future.done():
+                future.set_result(stored)
+            for key in keys:
+                if self._inline.get(key) is future:
+                    if stored:
+                        self._inline[key] = None
+                    else:
+                        del self._inline[key]
+
+        return done
+
+    def _trim(self) -> None:
         while len(self._inline) > 100_000:
             self._inline.popitem(last=False)
 
@@ -262,9 +293,17 @@ class ApprovalActor:
                               f"not a call.requested: {stored.error or type(call).__name__}")
         key = (call.session_id, call.call_id)
         if key in self._inline:
-            del self._inline[key]
-            await delivery.ack()  # decided and stored with the request, in this process
-            return
+            storing = self._inline[key]
+            done = True
+            if storing is not None:
+                try:
+                    done = await asyncio.wait_for(asyncio.shield(storing), _INLINE_WAIT_S)
+                except TimeoutError:
+                    done = False
+            self._inline.pop(key, None)
+            if done:
+                await delivery.ack()  # decided and stored with the call, in this process
+                return
         pending: PendingApproval | None = None
         known = None
         if delivery.num_delivered > 1:

@@ -138,9 +138,13 @@ async def whole_result(artifacts: ArtifactStore, call: CallState) -> Any:
 class Compressor:
     def __init__(self, bus: Bus, compression: Compression | None = None, *,
                  ack_wait_s: float = ACK_WAIT_S * 10,
+                 known: SessionStates | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._kernel = Kernel(bus, ACTOR, clock=clock)
         self._states = SessionStates(bus, self._kernel.log)
+        # The sessions another actor of this process keeps (the planner's): a call found
+        # there is judged without reading its session (see `_small`).
+        self._known = known
         self._artifacts = ArtifactStore(bus)
         self._compression = compression or Compression()
         self._clock = clock
@@ -173,6 +177,9 @@ class Compressor:
             raise PoisonError("unreadable_event",
                               f"not a call.succeeded: {stored.error or type(stored.event)}")
         call_id = stored.event.call_id
+        if self._small(stored.event):
+            await delivery.ack()
+            return
         entry = await self._states.current(sid)
         call = entry.state.calls.get(call_id)
         if call is None or not view_due(entry.state, call, self._compression):
@@ -192,6 +199,21 @@ class Compressor:
                 raise PoisonError("conflicts", f"gave up compressing {call_id} after "
                                   f"{DECIDE_ATTEMPTS} conflicting writes")
         await delivery.ack()
+
+    def _small(self, event: CallSucceeded) -> bool:
+        """Whether the call surely needs no preview: its request (tool, agent, no
+        `_transform`) is known in this process, and its result, held in the event, is
+        within the budget. Most results are; they then cost no read of the session."""
+        if self._known is None or event.result_ref is not None:
+            return False
+        entry = self._known.peek(event.session_id)
+        call = entry.state.calls.get(event.call_id) if entry is not None else None
+        if call is None or call.transform is not None:
+            return False
+        if call.tool in NEVER_COMPRESSED:
+            return True
+        budget, _ = self._compression.settings(call.agent, call.tool)
+        return len(compress.result_text(event.result)) <= budget
 
     def _reject(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         """What the model reads when the compressor failed on a result: an excerpt, and

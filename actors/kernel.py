@@ -351,10 +351,7 @@ class SessionStates:
         fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self._loading[sid] = fut
         try:
-            state = await self._trusted_snapshot(sid) or SessionState(session_id=sid)
-            entry = Entry(state)
-            for stored in await self._log.read_session(sid, after=state.last_seq):
-                self._fold(entry, stored.seq, stored.event)
+            entry = await self._load(sid)
             await self._complete(entry)
             entry.caught_up.set()
             self._cache[sid] = entry
@@ -367,6 +364,31 @@ class SessionStates:
             raise
         finally:
             del self._loading[sid]
+
+    async def _load(self, sid: str) -> Entry:
+        """The session folded from its snapshot and the log after it. The snapshot and
+        the head of the log are read at once: a new or short session (the head is all of
+        it) costs one round trip and its snapshot is not needed."""
+        snapshot = asyncio.ensure_future(self._trusted_snapshot(sid))
+        try:
+            head, whole = await self._log.read_head(sid)
+            if whole:
+                stored_events = head
+                state = SessionState(session_id=sid)
+            else:
+                state = await snapshot or SessionState(session_id=sid)
+                stored_events = await self._log.read_session(sid, after=state.last_seq)
+        finally:
+            if not snapshot.done():
+                snapshot.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await snapshot
+            elif not snapshot.cancelled():
+                snapshot.exception()  # retrieved: a failed snapshot read only costs time
+        entry = Entry(state)
+        for stored in stored_events:
+            self._fold(entry, stored.seq, stored.event)
+        return entry
 
     async def _trusted_snapshot(self, sid: str) -> SessionState | None:
         """The session's snapshot, if the log still agrees with it: its last event

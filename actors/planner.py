@@ -67,7 +67,8 @@ from actors.composed import composed_prompt, composed_schema, flatten, read_comp
 from actors.compressor import Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import complete
-from actors.llm.types import Message, ModelSettings, ToolCall
+from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
+from actors.session import InlineApproval, InlineApprover, due_in_turn
 from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
@@ -78,6 +79,7 @@ from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type
 from schemas.defaults import DECIDE_ATTEMPTS, PARTITION_ACK_WAIT_S
 from schemas.errors import ConcurrencyError, ModelError
 from schemas.events import (
+    CallApproved,
     CallRejected,
     CallRequested,
     ModelPurpose,
@@ -113,6 +115,7 @@ from schemas.state import (
     ModelStep,
     SessionState,
     TurnState,
+    evolve,
     turn_outcomes,
 )
 from schemas.tools import ToolSpec
@@ -835,6 +838,82 @@ def tools_digest(specs: Sequence[ToolSpec]) -> str:
 # --- effects ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """One model call to make: for `asked`, what to send, and how to read the reply."""
+
+    asked: ModelRequested
+    turn: TurnState
+    rules: Rules
+    settings: ModelSettings
+    system: str | None = None
+    messages: list[Message] = field(default_factory=list)
+    tools: list[ToolSpec] = field(default_factory=list)
+    schema: dict[str, Any] | None = None
+    validator: Validator | None = None
+    publish: _Deltas | None = None
+    base: int = 0
+    failure: str | None = None  # the turn cannot go on: why
+
+
+_Started = tuple[_Ask, "asyncio.Task[ModelResponse | ModelError | None]"]
+
+
+def _nothing(stored: bool) -> None:
+    pass
+
+
+async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def with_answer(state: SessionState, answer: ModelResponded) -> SessionState:
+    """`state` as it will be once `answer` is stored right after it: a copy sharing all
+    that the answer leaves alone (its turn's steps and the step outputs are copied)."""
+    turn = state.turns.get(answer.turn_id)
+    if turn is None:
+        return state
+    copy = msgspec.structs.replace(
+        state, turns={**state.turns, turn.turn_id: msgspec.structs.replace(
+            turn, steps=list(turn.steps))}, step_outputs=dict(state.step_outputs))
+    return evolve(copy, answer, state.last_seq + 1)
+
+
+def settle_calls(state: SessionState, items: list[Append], approver: InlineApprover, *,
+                 max_parallel: int, now: float) -> list[Append]:
+    """`items` (decided on `state`) with the approval actor's decisions on the calls they
+    request, when no human is needed, and the dispatches those make due: the events and
+    ids the approval and session actors would write one hop later each (see the session
+    actor's `accept_request`). Only when every earlier call of the turn has ended, so the
+    parallel and side-effect rules see the new calls alone; otherwise `items` as they are."""
+    requested = [i.event for i in items if isinstance(i.event, CallRequested)]
+    if not requested:
+        return items
+    turn = state.turns.get(requested[0].turn_id)
+    if turn is None or any(r.turn_id != turn.turn_id for r in requested) or not all(
+            state.calls[c].terminal for c in turn.call_ids if c in state.calls):
+        return items
+    sid = state.session_id
+    decided = {i.event.call_id for i in items if isinstance(i.event, CallRejected)}
+    out = list(items)
+    for call in requested:
+        if call.call_id not in decided:
+            decision = approver(call)
+            if decision is not None:
+                out.append(Append(decision, policy_decision_id(sid, call.call_id)))
+    scratch = SessionState(session_id=sid)
+    scratch.turns[turn.turn_id] = TurnState(turn_id=turn.turn_id, request_id=turn.request_id,
+                                            call_ids=[], message=turn.message)
+    for seq, item in enumerate(out, start=1):
+        if isinstance(item.event, CallRequested | CallApproved | CallRejected):
+            evolve(scratch, item.event, seq)
+    return out + due_in_turn(scratch, scratch.turns[turn.turn_id], max_parallel, now)
+
+
 class Planner:
     def __init__(self, bus: Bus, catalog: Catalog, settings: ModelSettings, *,
                  instructions: str | None = None,
@@ -846,8 +925,15 @@ class Planner:
                  compression: Compression | None = None,
                  ack_wait_s: float = PARTITION_ACK_WAIT_S,
                  instance: str | None = None,
+                 approval: InlineApproval | None = None,
+                 max_parallel: int = 3,
                  clock: Callable[[], float] = time.time) -> None:
         self._bus = bus
+        # With the approval actor in this process, the model's calls are approved and
+        # dispatched as they are stored (`settle_calls`); the events are the same.
+        self._approval = approval
+        self._approver: InlineApprover | None = approval.decide_inline if approval else None
+        self._max_parallel = max_parallel
         self._kernel = Kernel(bus, ACTOR, clock=clock)
         self._states = SessionStates(bus, self._kernel.log)
         self._catalog = catalog
@@ -875,6 +961,11 @@ class Planner:
     @property
     def kernel(self) -> Kernel:
         return self._kernel
+
+    @property
+    def states(self) -> SessionStates:
+        """The sessions this planner keeps folded (read-only for others)."""
+        return self._states
 
     def describe(self) -> str:
         s = self._settings
@@ -955,45 +1046,94 @@ class Planner:
                 # session actor); fold the log again.
                 await self._states.rebuild(entry)
             event = stored.event
+            started: list[_Started] = []
             if isinstance(event, ModelRequested):
-                await self._answer(entry, event, delivery)
-            await self._settle(entry, delivery)
+                # Unanswered only when the planner that asked died (or lost a race).
+                # Writes of this process still to come back are read now (the lock is
+                # held: waiting for their deliveries would wait for this one).
+                if not entry.is_caught_up:
+                    await self._states.reread(entry)
+                ask = self._prepare(entry.state, event)
+                if ask is not None:
+                    started = await self._finish(entry, ask, await self._call(ask, delivery),
+                                                 delivery)
+            await self._settle(entry, delivery, started)
         await delivery.ack()
 
-    async def _settle(self, entry: Entry, delivery: Delivery) -> None:
-        """Decide and write; a `model.requested` just written is answered at once, in
-        this handler (its own delivery, coming later, then finds it answered): one bus
-        hop less per model call. Killed meanwhile, that delivery asks again."""
+    def _decide(self, state: SessionState) -> list[Append]:
         offer = self._offer()
         agents = {name: (self._offer(name), p.rules) for name, p in self._agents.items()}
-        written: list[ModelRequested] = []
+        return decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
+                      max_tokens=self._max_tokens, rules=self._rules, agents=agents,
+                      compression=self._compression)
 
-        def due(state: SessionState) -> list[Append]:
-            items = decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
-                           max_tokens=self._max_tokens, rules=self._rules, agents=agents,
-                           compression=self._compression)
-            written[:] = [i.event for i in items if isinstance(i.event, ModelRequested)]
-            return items
+    async def _settle(self, entry: Entry, delivery: Delivery, started: list[_Started]) -> None:
+        """Decide and write until nothing is due, answering each `model.requested` in
+        this handler (its own delivery, coming later, finds it answered: one bus hop less
+        per model call; killed meanwhile, that delivery asks again). The model is called
+        while its `model.requested` is being stored (a call has no side effects: if the
+        store loses a race, the answer is dropped), and its answer is stored together
+        with what it makes due."""
+        try:
+            for _ in range(_ANSWERS_PER_DELIVERY):
+                if not started:
+                    started = await self._decide_and_ask(entry, delivery)
+                    if not started:
+                        return
+                pending, started = started, []
+                for ask, task in pending:
+                    started += await self._finish(entry, ask, await task, delivery)
+        finally:
+            # Left to their deliveries (the limit above, or an error on the way).
+            await _cancel([task for _, task in started])
 
-        for _ in range(_ANSWERS_PER_DELIVERY):
-            written.clear()
-            if not await self._states.decide_and_write(entry, due, attempts=DECIDE_ATTEMPTS):
-                log.warning("planner: session %s: gave up deciding after %d conflicts",
-                            entry.state.session_id, DECIDE_ATTEMPTS)
-                return
-            if not written or not entry.is_caught_up:
-                return
-            for asked in written:
-                await self._answer(entry, asked, delivery)
+    async def _decide_and_ask(self, entry: Entry, delivery: Delivery) -> list[_Started]:
+        """One decision written (re-read and re-decided on a conflict); the model calls it
+        asks for, started as it is stored: [(ask, task)]."""
+        for _ in range(DECIDE_ATTEMPTS):
+            if not entry.is_caught_up:
+                return []  # the writes coming back will trigger the next decision
+            items = self._decide(entry.state)
+            if not items:
+                return []
+            asks = self._asks(entry.state, items)
+            tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
+            stored = self._storing_inline(items)
+            try:
+                await self._states.write(entry, items)
+            except ConcurrencyError:
+                stored(False)
+                await _cancel(tasks)
+                await self._states.reread(entry)
+                continue
+            except BaseException:
+                stored(False)
+                await _cancel(tasks)
+                raise
+            stored(True)
+            if not entry.is_caught_up:
+                # Stored, but not right after what this state holds: the deliveries
+                # will answer (a model call dropped here is asked again there).
+                await _cancel(tasks)
+                return []
+            return list(zip(asks, tasks, strict=True))
+        log.warning("planner: session %s: gave up deciding after %d conflicts",
+                    entry.state.session_id, DECIDE_ATTEMPTS)
+        return []
 
-    async def _answer(self, entry: Entry, asked: ModelRequested, delivery: Delivery) -> None:
-        """Call the model for `asked`, unless it is answered (or its turn over) already,
-        and store the answer (or end the turn with the model's error)."""
-        await self._states.catch_up(entry)
-        state = entry.state
+    def _asks(self, state: SessionState, items: Sequence[Append]) -> list[_Ask]:
+        """The model calls among `items` to make (see `_prepare`)."""
+        return [a for a in (self._prepare(state, i.event) for i in items
+                            if isinstance(i.event, ModelRequested)) if a is not None]
+
+    def _prepare(self, state: SessionState, asked: Any) -> _Ask | None:
+        """What to send for `asked` (its turn running and the iteration unanswered), or
+        None; the state may or may not hold `asked` itself yet."""
+        if not isinstance(asked, ModelRequested):
+            return None
         turn = state.turns.get(asked.turn_id)
         if turn is None or turn.status != "running" or len(turn.steps) >= asked.iteration:
-            return
+            return None
         sid = state.session_id
         rules, settings = self._profile(turn.agent)
         schema: dict[str, Any] | None = None
@@ -1008,10 +1148,9 @@ class Planner:
         elif asked.purpose == "think":
             found = rules.step(asked.step or "") or _request_step(turn, asked.step)
             if found is None:
-                await self._fail_turn(entry, turn, "internal", f"this planner has no think "
-                                      f"step {asked.step!r}: is its manifest the one that "
-                                      "started the turn?")
-                return
+                return _Ask(asked, turn, rules, settings, failure=(
+                    f"this planner has no think step {asked.step!r}: is its manifest the "
+                    "one that started the turn?"))
             step, validator = found
             system = think_prompt(rules, turn, step)
             messages = think_messages(state, turn, step.id, self._compression)
@@ -1030,45 +1169,70 @@ class Planner:
         # Call ids number every call the model asked for in the turn, the planner's own
         # (emit_output, never in `call_ids`) included, so none is given twice.
         base = max(len(turn.call_ids), sum(len(s.tool_calls) for s in turn.steps))
+        return _Ask(asked, turn, rules, settings, system=system, messages=messages,
+                    tools=tools, schema=schema, validator=validator, publish=publish,
+                    base=base)
+
+    async def _call(self, ask: _Ask, delivery: Delivery) -> ModelResponse | ModelError | None:
+        """The model's reply to `ask`, or the `ModelError` that ended it (returned); None
+        when there is nothing to call (`ask.failure`)."""
+        if ask.failure is not None:
+            return None
         keep_alive = asyncio.create_task(self._keep_alive(delivery))
         try:
             for attempt in range(1, _WHOLE_CALL_ATTEMPTS + 1):
                 try:
-                    reply = await complete(settings, system=system, messages=messages,
-                                           tools=tools, response_schema=schema,
-                                           on_delta=publish, client=self._http)
-                    break
+                    return await complete(ask.settings, system=ask.system,
+                                          messages=ask.messages, tools=ask.tools,
+                                          response_schema=ask.schema, on_delta=ask.publish,
+                                          client=self._http)
                 except ModelError as exc:
                     if not exc.partial or attempt == _WHOLE_CALL_ATTEMPTS:
-                        raise
+                        return exc
                     # The stream broke after some text: the call is made again whole,
                     # and watchers are told to drop what they showed of this iteration.
-                    log.warning("planner: session %s: %s; asking again", sid, exc)
-                    if publish is not None:
-                        await publish("", reset=True)
-        except ModelError as exc:
-            await self._fail_turn(entry, turn, "model_error", str(exc))
-            return
+                    log.warning("planner: session %s: %s; asking again",
+                                ask.asked.session_id, exc)
+                    if ask.publish is not None:
+                        await ask.publish("", reset=True)
+            raise AssertionError("unreachable")
         finally:
             keep_alive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keep_alive
+
+    async def _finish(self, entry: Entry, ask: _Ask, reply: ModelResponse | ModelError | None,
+                      delivery: Delivery) -> list[_Started]:
+        """Store the model's answer (or end the turn with its error) together with what it
+        makes due, and start the model calls that asks for."""
+        asked, rules = ask.asked, ask.rules
+        state = entry.state
+        turn = state.turns.get(asked.turn_id)
+        if turn is None or turn.status != "running" or len(turn.steps) >= asked.iteration:
+            return []  # answered or ended while the model was thinking
+        if ask.failure is not None or reply is None:
+            await self._fail_turn(entry, turn, "internal", ask.failure or "no reply")
+            return []
+        if isinstance(reply, ModelError):
+            await self._fail_turn(entry, turn, "model_error", str(reply))
+            return []
+        sid = state.session_id
         output: Any = None
         violations: list[str] = []
         calls: list[ModelToolCall] = []
         text = reply.text
         if asked.purpose == "chat" and rules.mode == "composed":
-            assert validator is not None
+            assert ask.validator is not None
             text, calls, violations = read_composed(
-                reply.text, validator, turn_id=turn.turn_id, base=base,
+                reply.text, ask.validator, turn_id=turn.turn_id, base=ask.base,
                 emit_output=EMIT_OUTPUT if rules.emit is not None else None,
                 wrapped=_wrapped(rules.output_schema))
         elif asked.purpose == "chat":
-            calls = [ModelToolCall(call_id=call_id_for(turn.turn_id, base + i), id=c.id,
+            calls = [ModelToolCall(call_id=call_id_for(turn.turn_id, ask.base + i), id=c.id,
                                    name=c.name, arguments=_as_sent(c), extra=c.extra)
                      for i, c in enumerate(reply.tool_calls)]
         else:
-            output, violations = parse_structured(reply.text, validator)
+            output, violations = parse_structured(reply.text, ask.validator)
         answer = ModelResponded(
             session_id=sid, at=self._clock(), actor=ACTOR, turn_id=turn.turn_id,
             iteration=asked.iteration, text=text, tool_calls=calls,
@@ -1077,16 +1241,53 @@ class Planner:
             response_id=reply.response_id, purpose=asked.purpose, step=asked.step,
             round=asked.round, output=output, violations=violations)
         item = Append(answer, model_responded_id(sid, turn.turn_id, asked.iteration))
+        # What the answer makes due, decided on the state as it will be once the answer
+        # is stored (a copy: this state changes only when the store succeeds), and stored
+        # with it: one round trip instead of two, and the calls it dispatches no hop
+        # through the approval and session actors.
+        follow: list[Append] = []
+        asks: list[_Ask] = []
+        if entry.is_caught_up:
+            after = with_answer(state, answer)
+            follow = self._decide(after)
+            if self._approver is not None:
+                follow = settle_calls(after, follow, self._approver,
+                                      max_parallel=self._max_parallel, now=self._clock())
+            asks = self._asks(after, follow)
+        tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
+        stored = self._storing_inline(follow)
         try:
             # Checked, so that it is folded now only if nothing was stored meanwhile (a
             # tool event injected during the model call must not be skipped over).
-            await self._states.write(entry, [item])
+            await self._states.write(entry, [item, *follow])
         except ConcurrencyError:
+            stored(False)
+            await _cancel(tasks)
             result = await self._kernel.log.append(item)
             # Folded when delivered, after whatever came before it.
             entry.written_upto = max(entry.written_upto, result.seq)
             if not entry.is_caught_up:
                 entry.caught_up.clear()
+            return []
+        except BaseException:
+            stored(False)
+            await _cancel(tasks)
+            raise
+        stored(True)
+        if not entry.is_caught_up:
+            await _cancel(tasks)
+            return []
+        return list(zip(asks, tasks, strict=True))
+
+    def _storing_inline(self, items: Sequence[Append]) -> Callable[[bool], None]:
+        """Tell the approval actor of this process which decisions are being stored, so
+        that it waits for the store instead of deciding the calls again; call the result
+        with whether the store succeeded."""
+        keys = [(i.event.session_id, i.event.call_id) for i in items
+                if isinstance(i.event, CallApproved | CallRejected)]
+        if self._approval is None or not keys:
+            return _nothing
+        return self._approval.storing_inline(keys)
 
     async def _fail_turn(self, entry: Entry, turn: TurnState, reason: str,
                          message: str) -> None:
@@ -1094,7 +1295,16 @@ class Planner:
         failed = TurnFailed(session_id=sid, at=self._clock(), actor=ACTOR,
                             turn_id=turn.turn_id, request_id=turn.request_id, reason=reason,
                             message=clip(message), outcomes=turn_outcomes(entry.state, turn))
-        await self._kernel.log.append(Append(failed, turn_ended_id(sid, turn.turn_id)))
+        item = Append(failed, turn_ended_id(sid, turn.turn_id))
+        try:
+            # Folded now when nothing came between, so that the `model.requested` still
+            # to be delivered finds its turn over and does not ask the model again.
+            await self._states.write(entry, [item])
+        except ConcurrencyError:
+            result = await self._kernel.log.append(item)
+            entry.written_upto = max(entry.written_upto, result.seq)
+            if not entry.is_caught_up:
+                entry.caught_up.clear()
 
     def _delta_publisher(self, sid: str, asked: ModelRequested) -> _Deltas:
         """Text deltas, live and not stored: `toolbus.live.<sid>.model.delta`; `reset`

@@ -29,6 +29,7 @@ from the state alone, so a crash between two appends is healed by the next deliv
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -42,6 +43,7 @@ from bus.artifacts import ArtifactStore
 from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, decode_stored
+from bus.headers import Header
 from bus.partitions import PartitionOwner, member_name
 from bus.rpc import Responder
 from bus.streams import ConsumerSpec, delete_consumers
@@ -121,6 +123,10 @@ from schemas.state import (
 
 log = logging.getLogger("toolbus.session")
 
+# How long the session actor waits for the rest of a decision whose first events came
+# (`Toolbus-More`) before deciding without it.
+_MORE_WAIT_S = 1.0
+
 # An injected result larger than this goes to the object store, its event holding a
 # reference (`result_ref`), as a large tool result does.
 INLINE_TOOL_EVENT_BYTES = 64 * 1024
@@ -139,6 +145,7 @@ class InlineApproval(Protocol):
 
     def decide_inline(self, call: CallRequested) -> CallApproved | CallRejected | None: ...
     def stored_inline(self, keys: list[tuple[str, str]]) -> None: ...
+    def storing_inline(self, keys: list[tuple[str, str]]) -> Callable[[bool], None]: ...
 
 
 def accept_request(state: SessionState, request: Request, request_id: str, *,
@@ -183,7 +190,7 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     scratch = SessionState(session_id=sid)
     for seq, item in enumerate(out, start=1):
         evolve(scratch, item.event, seq)
-    return out + _due_in_turn(scratch, scratch.turns[turn_id], max_parallel, now)
+    return out + due_in_turn(scratch, scratch.turns[turn_id], max_parallel, now)
 
 
 def _dispatch(state: SessionState, call: CallState, now: float) -> Append:
@@ -195,7 +202,7 @@ def _dispatch(state: SessionState, call: CallState, now: float) -> Append:
     return Append(event, dispatch_id(state.session_id, call.call_id), call.route)
 
 
-def _due_in_turn(state: SessionState, turn: TurnState, max_parallel: int,
+def due_in_turn(state: SessionState, turn: TurnState, max_parallel: int,
                  now: float) -> list[Append]:
     """Dispatches due in one turn, and failures of denied calls.
 
@@ -242,7 +249,7 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
         if turn.message is not None:
             # A planner turn: its calls are dispatched here, but only the planner knows
             # when it is over (the model may ask for more).
-            out.extend(_due_in_turn(state, turn, max_parallel, now))
+            out.extend(due_in_turn(state, turn, max_parallel, now))
             continue
         if turn_is_done(state, turn):
             outcomes = turn_outcomes(state, turn)
@@ -259,7 +266,7 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
                                    outcomes=outcomes)
             out.append(Append(ev, turn_ended_id(sid, turn_id)))
             continue
-        out.extend(_due_in_turn(state, turn, max_parallel, now))
+        out.extend(due_in_turn(state, turn, max_parallel, now))
     return out
 
 
@@ -430,6 +437,10 @@ class SessionActor:
                                      snapshot_every=SNAPSHOT_EVERY)
         self._max_parallel = max_parallel
         self._approval = approval
+        # Sessions whose last event so far said more of its decision follows: decided
+        # anyway if nothing comes within `_MORE_WAIT_S` (its writer failed half way).
+        self._awaiting_rest: dict[str, asyncio.TimerHandle] = {}
+        self._late: set[asyncio.Task[None]] = set()
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
         self._default_agent = default_agent
@@ -464,9 +475,14 @@ class SessionActor:
         await self._state_rpc.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        for waiting in self._awaiting_rest.values():
+            waiting.cancel()
+        self._awaiting_rest.clear()
         await self._state_rpc.stop()
         await self._owner.stop()
         await self._kernel.stop(grace)
+        for task in list(self._late):
+            task.cancel()
 
     async def _take(self, part: int) -> None:
         self._partition_loops[part] = [
@@ -508,6 +524,9 @@ class SessionActor:
         if not is_token(sid):
             await delivery.ack()
             return
+        waiting = self._awaiting_rest.pop(sid, None)
+        if waiting is not None:
+            waiting.cancel()
         entry = await self._states.entry(sid)
         async with entry.lock:
             if delivery.stream_seq <= entry.state.last_seq and delivery.num_delivered > 1:
@@ -533,8 +552,35 @@ class SessionActor:
                     # again on it would raise again and record again, forever.
                     await delivery.ack()
                     return
+                headers = delivery.headers
+                if headers and Header.MORE.value in headers:
+                    # More of another actor's decision follow right behind: decided on
+                    # once whole (deciding on a part races its rest), or after a while
+                    # if the rest never comes.
+                    self._awaiting_rest[sid] = asyncio.get_running_loop().call_later(
+                        _MORE_WAIT_S, self._decide_late, sid, stored.seq)
+                    await delivery.ack()
+                    return
             await self._settle(entry)
         await delivery.ack()
+
+    def _decide_late(self, sid: str, seq: int) -> None:
+        self._awaiting_rest.pop(sid, None)
+
+        async def settle() -> None:
+            entry = self._states.peek(sid)
+            if entry is None or entry.state.last_seq != seq or not self._owns(sid):
+                return  # something came after all (and was decided on), or not ours now
+            async with entry.lock:
+                try:
+                    await self._settle(entry)
+                except Exception as exc:  # the next event of the session decides again
+                    log.warning("session %s: deciding after an unfinished decision "
+                                "failed: %s", sid, exc)
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
     def _reject_event(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         entry = self._states.peek(session_of(delivery.subject))

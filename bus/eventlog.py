@@ -288,15 +288,18 @@ class EventLog:
         # re-decision after a re-read writes the same ids (deduplicated) and the reducer
         # accepts either order. Every event is prepared (size-checked) before any is sent.
         expects = [expect_last if i == 0 else None for i in range(len(items))]
-        prepared = [self._prepare(item, expect, None, headers)
-                    for item, expect in zip(items, expects, strict=True)]
+        more = [{**(headers or {}), Header.MORE.value: str(len(items) - 1 - i)}
+                if i < len(items) - 1 else headers for i in range(len(items))]
+        prepared = [self._prepare(item, expect, None, extra)
+                    for item, expect, extra in zip(items, expects, more, strict=True)]
         if self._bus.replicated:
             # One after another, each once the one before is stored: a leader change
             # could otherwise store a later event of the decision and lose an earlier.
-            return [await self.append(item, expect_last=expect, headers=headers)
-                    for item, expect in zip(items, expects, strict=True)]
-        pending = [await self._send(item, one, expect, headers)
-                   for item, one, expect in zip(items, prepared, expects, strict=True)]
+            return [await self.append(item, expect_last=expect, headers=extra)
+                    for item, expect, extra in zip(items, expects, more, strict=True)]
+        pending = [await self._send(item, one, expect, extra)
+                   for item, one, expect, extra in zip(items, prepared, expects, more,
+                                                       strict=True)]
         results: list[AppendResult] = []
         failure: AppendError | None = None
         for result in pending:
@@ -400,6 +403,13 @@ class EventLog:
         finally:
             await sub.unsubscribe()
         return got, pending
+
+    async def read_head(self, session_id: str) -> tuple[list[StoredEvent], bool]:
+        """The session's first events, by one batched direct get, and whether they are
+        all of them (a new or short session is read whole in one round trip)."""
+        batch, pending = await self._direct_batch(session_filter(session_id), 1)
+        return [decode_stored(seq, subject, data) for seq, subject, data in batch], \
+            pending == 0
 
     async def _direct_batch(self, filt: str, start: int
                             ) -> tuple[list[tuple[int, str, bytes]], int]:

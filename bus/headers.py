@@ -20,6 +20,10 @@ class Header(StrEnum):
     # The process instance that stored an event (partitioned actors set it): which
     # process decided a session, for operators and the partition tests.
     WRITER = "Toolbus-Writer"
+    # On every event of a decision but its last: how many more of it follow. An actor
+    # that folds every event of a session (the session actor) decides again only once
+    # the decision is whole, not on each of its parts.
+    MORE = "Toolbus-More"
 
 
 class Status(StrEnum):

@@ -158,7 +158,10 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
     model = settings.manifest.agent_config.model if settings.manifest else None
     if "planner" in kinds and model is not None:
         try:
-            started.append(await start_planner(bus, settings))
+            # With the approval actor here too, the model's calls are approved and
+            # dispatched as the planner stores them (no hop through two actors).
+            started.append(await start_planner(bus, settings, approval=approval,
+                                               max_parallel=policy.max_parallel))
         except BaseException:
             await stop_actors(started)
             raise
@@ -182,7 +185,8 @@ def _member_name(instance: str | None, kind: str) -> str | None:
     return f"{instance}-{kind}" if instance else None
 
 
-async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
+async def start_planner(bus: Bus, settings: ActorSettings, *,
+                        approval: ApprovalActor | None = None, max_parallel: int = 3) -> Actor:
     """The planner of the manifest's `agent_config`, with its own view of the catalog."""
     from actors.agent_tools import AgentExecutor, agent_profiles
     from actors.compressor import Compression, Compressor
@@ -208,7 +212,8 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
                       agents=agent_profiles(agent, default=model),
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
-                      instance=_member_name(settings.instance, "planner"))
+                      instance=_member_name(settings.instance, "planner"),
+                      approval=approval, max_parallel=max_parallel)
     # The named agents' tools (`agent:<name>`) run here, beside the planner that plans
     # their child turns; named apart from this process's other executors.
     runner = AgentExecutor(bus, agent.agents,
@@ -224,7 +229,8 @@ async def start_planner(bus: Bus, settings: ActorSettings) -> Actor:
     # The compressor (large results -> previews) and the context tools (recall,
     # context-status) read the session the planner plans, with its budgets.
     helpers: list[Any] = [h for h in (runner, latent) if h is not None]
-    helpers += [Compressor(bus, compression, ack_wait_s=settings.ack_wait_s),
+    helpers += [Compressor(bus, compression, ack_wait_s=settings.ack_wait_s,
+                           known=planner.states),
                 ContextExecutor(bus, compression, max_iterations=agent.limits.max_iterations,
                                 instance=f"{settings.instance or default_instance_name()}"
                                          "-context", ack_wait_s=settings.ack_wait_s)]

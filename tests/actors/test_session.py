@@ -3,6 +3,8 @@ duplicate requests, and replay equal to the live state."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from bus.client import ToolbusClient
@@ -172,3 +174,38 @@ async def test_a_turn_stored_without_its_calls_is_restored_when_the_request_retu
                             request_id="crash1", timeout=10)
     assert isinstance(end, TurnCompleted) and end.ok
     assert [o.result for o in end.outcomes] == [{"n": 0}, {"n": 1}]
+
+
+async def test_a_decision_cut_short_after_its_approval_is_still_dispatched(
+    bus: Bus, client: ToolbusClient, system: dict[str, Any], sid: str
+) -> None:
+    """The session actor decides on a decision once it is whole (`Toolbus-More` on all
+    but its last event). A writer that died half way leaves the last stored event saying
+    more follows: the session actor decides anyway after a moment, so the approved call
+    is dispatched instead of waiting forever."""
+    import time
+
+    from bus.eventlog import Append, EventLog
+    from bus.headers import Header
+    from schemas.events import CallRequested, TurnRequested
+    from schemas.ids import call_requested_id, policy_decision_id, turn_requested_id
+
+    log = EventLog(bus)
+    now = time.time()
+    turn = TurnRequested(session_id=sid, at=now, actor="session", turn_id="cut1",
+                         request_id="cut1", call_ids=["cut1-0"], agent="default")
+    call = CallRequested(session_id=sid, at=now, actor="session", call_id="cut1-0",
+                         turn_id="cut1", tool="built-in:echo", arguments={"n": 7},
+                         agent="default")
+    approved = system["approval"].decide_inline(call)
+    assert approved is not None
+    async with EventWatch(bus, sid) as watch:
+        for item, more in ((Append(turn, turn_requested_id(sid, "cut1")), 3),
+                           (Append(call, call_requested_id(sid, "cut1-0")), 2),
+                           (Append(approved, policy_decision_id(sid, "cut1-0")), 1)):
+            await log.append(item, headers={Header.MORE.value: str(more)})
+        events = await watch.until(lambda evs: bool(of_type(evs, "turn.completed")),
+                                   timeout=15)
+    (done,) = [e for e in events if isinstance(e, TurnCompleted)]
+    (ran,) = [e for e in events if isinstance(e, CallSucceeded)]
+    assert done.ok and ran.call_id == "cut1-0" and ran.result == {"n": 7}

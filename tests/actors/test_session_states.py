@@ -29,16 +29,18 @@ async def _folded(log: EventLog, sid: str) -> bytes:
 
 async def test_a_cold_session_loads_its_snapshot_and_folds_only_the_tail(
         bus: Bus, sid: str) -> None:
+    # Longer than one batched read of its head, so the snapshot is what saves the work.
     log = EventLog(bus)
-    await _append_rejections(log, sid, 30)
-    writer = SessionStates(bus, log, snapshot_every=10)
-    entry = await writer.entry(sid)  # folds all 30: snapshots at 10, 20 and 30
-    assert entry.state.event_count == 30
+    await _append_rejections(log, sid, 1100)
+    writer = SessionStates(bus, log, snapshot_every=1100)
+    entry = await writer.entry(sid)  # folds all 1100: a snapshot at 1100
+    assert entry.state.event_count == 1100
     for task in list(writer._saving):
         await task
+    await _append_rejections(log, sid, 5, start=1100)
+    # Ours, at 1100, or one a session actor running beside the suite saved at 1000.
     snap = await SnapshotStore(bus).load(sid)
-    assert snap is not None and snap.event_count == 30
-    await _append_rejections(log, sid, 5, start=30)
+    assert snap is not None and snap.event_count >= 1000
 
     reads: list[int] = []
     real = log.read_session
@@ -50,8 +52,36 @@ async def test_a_cold_session_loads_its_snapshot_and_folds_only_the_tail(
 
     log.read_session = counting  # type: ignore[method-assign]
     cold = await SessionStates(bus, log).entry(sid)
-    assert reads == [5]  # only the tail after the snapshot was read
+    assert reads == [1105 - snap.event_count]  # only the tail after the snapshot was read
     log.read_session = real  # type: ignore[method-assign]
+    assert encode_state(cold.state) == await _folded(log, sid)
+
+
+async def test_a_short_session_is_read_whole_in_one_batch_without_its_snapshot(
+        bus: Bus, sid: str) -> None:
+    log = EventLog(bus)
+    await _append_rejections(log, sid, 30)
+    writer = SessionStates(bus, log, snapshot_every=10)
+    await writer.entry(sid)
+    for task in list(writer._saving):
+        await task
+    assert await SnapshotStore(bus).load(sid) is not None
+    await _append_rejections(log, sid, 5, start=30)
+    heads: list[bool] = []
+    real_head, real_read = log.read_head, log.read_session
+
+    async def head(session_id: str):  # type: ignore[no-untyped-def]
+        out = await real_head(session_id)
+        heads.append(out[1])
+        return out
+
+    async def no_read(session_id: str, **kw):  # type: ignore[no-untyped-def]
+        raise AssertionError("a short session needs no second read")
+
+    log.read_head, log.read_session = head, no_read  # type: ignore[method-assign]
+    cold = await SessionStates(bus, log).entry(sid)
+    log.read_head, log.read_session = real_head, real_read  # type: ignore[method-assign]
+    assert heads == [True] and cold.state.event_count == 35
     assert encode_state(cold.state) == await _folded(log, sid)
 
 
