@@ -54,6 +54,7 @@ import hashlib
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,7 +77,7 @@ from bus.eventlog import Append, decode_stored
 from bus.partitions import PartitionOwner, member_name
 from bus.streams import ConsumerSpec, delete_consumers
 from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type_filter
-from schemas.defaults import DECIDE_ATTEMPTS, PARTITION_ACK_WAIT_S
+from schemas.defaults import DECIDE_ATTEMPTS, PARTITION_ACK_WAIT_S, SESSION_CACHE_SIZE
 from schemas.errors import ConcurrencyError, ModelError
 from schemas.events import (
     CallApproved,
@@ -688,10 +689,11 @@ def think_prompt(rules: Rules, turn: TurnState, step: ThinkStep | ThinkRequest) 
 
 
 def think_messages(state: SessionState, turn: TurnState, step_id: str,
-                   compression: Compression | None = None) -> list[Message]:
+                   compression: Compression | None = None,
+                   history: HistoryCache | None = None) -> list[Message]:
     """The conversation, then each earlier answer to this step that broke its schema,
     with the violations, so the next answer can fix them all."""
-    out = transcript(state, turn, compression)
+    out = transcript(state, turn, compression, history)
     for s in turn.steps:
         if s.purpose == "think" and s.step == step_id and s.violations:
             out.append(Message(role="assistant", text=s.text))
@@ -721,31 +723,17 @@ def parse_structured(text: str, validator: Validator | None) -> tuple[Any, list[
 
 
 def transcript(state: SessionState, turn: TurnState,
-               compression: Compression | None = None) -> list[Message]:
+               compression: Compression | None = None,
+               history: HistoryCache | None = None) -> list[Message]:
     """The conversation the model sees for `turn`: earlier planner turns of the session
     (the message and the answer), then this turn's message, and each of its chat steps
     with the results of the calls it asked for (an emit_output call's result is its
-    verdict)."""
-    out: list[Message] = []
-    # What came before the turn started, in the order stored: earlier turns, and tool
-    # events injected until then (one injected later is seen from the next turn on).
-    before: list[tuple[int, TurnState | InjectedToolEvent]] = [
-        (other.seq, other) for other in state.turns.values() if other.seq < turn.seq]
-    if state.tool_events:
-        before += [(e.seq, e) for e in state.tool_events if e.seq < turn.seq]
-        before.sort(key=lambda item: item[0])
-    for _, item in before:
-        if isinstance(item, InjectedToolEvent):
-            budget, items = (compression or _NO_COMPRESSION).settings(turn.agent,
-                                                                      item.tool_id)
-            out += injected_messages(item, budget=budget, items=items)
-        elif item.message is not None and item.status in ("completed", "cancelled"):
-            # A cancelled turn's question stays (the event that superseded it follows);
-            # its partial work does not.
-            if item.message:
-                out.append(Message(role="user", text=item.message))
-            if item.text:
-                out.append(Message(role="assistant", text=item.text))
+    verdict). With `history`, what came before the turn is rendered once per session and
+    extended as turns end, instead of again for every model call."""
+    if history is not None:
+        out = history.before(state, turn, compression)
+    else:
+        out = _render_before(_items_before(state, 0, turn.seq), turn, compression)
     assert turn.message is not None
     out += [Message(role=m.role, text=m.content) for m in turn.history]
     if turn.message:  # a turn a tool event started has none: the event is the news
@@ -771,6 +759,106 @@ def transcript(state: SessionState, turn: TurnState,
             out.append(Message(role="tool", tool_call_id=c.id, name=c.name, text=text,
                                is_error=is_error))
     return out
+
+
+_HistoryItem = TurnState | InjectedToolEvent
+
+
+def _items_before(state: SessionState, start: int, end: int) -> list[_HistoryItem]:
+    """Earlier turns and injected tool events stored at sequences start <= seq < end, in
+    the order stored. Both are kept in that order (turns by their `turn.requested`), so
+    only the newest are looked at."""
+    turns: list[_HistoryItem] = []
+    for other in reversed(state.turns.values()):
+        if other.seq < start:
+            break
+        if other.seq < end:
+            turns.append(other)
+    events: list[_HistoryItem] = []
+    for event in reversed(state.tool_events):
+        if event.seq < start:
+            break
+        if event.seq < end:
+            events.append(event)
+    items = turns[::-1]
+    if events:
+        items += events[::-1]
+        items.sort(key=lambda item: item.seq)
+    return items
+
+
+def _render_one(item: _HistoryItem, turn: TurnState,
+                compression: Compression | None) -> list[Message]:
+    if isinstance(item, InjectedToolEvent):
+        budget, items = (compression or _NO_COMPRESSION).settings(turn.agent, item.tool_id)
+        return injected_messages(item, budget=budget, items=items)
+    out: list[Message] = []
+    if item.message is not None and item.status in ("completed", "cancelled"):
+        # A cancelled turn's question stays (the event that superseded it follows); its
+        # partial work does not.
+        if item.message:
+            out.append(Message(role="user", text=item.message))
+        if item.text:
+            out.append(Message(role="assistant", text=item.text))
+    return out
+
+
+def _render_before(items: list[_HistoryItem], turn: TurnState,
+                   compression: Compression | None) -> list[Message]:
+    out: list[Message] = []
+    for item in items:
+        out += _render_one(item, turn, compression)
+    return out
+
+
+@dataclass(slots=True)
+class _Rendered:
+    agent: str | None
+    upto: int  # everything stored before this sequence is in `messages`, and final
+    messages: list[Message]
+
+
+class HistoryCache:
+    """What the model reads of a session's past, per session: the rendering of every turn
+    and injected event stored before some sequence, kept while all of them are over (an
+    ended turn never changes), and extended with the ones that ended since. A turn still
+    running is rendered each time and not kept. Keyed by session and the asking turn's
+    agent (an injected result's budget depends on it); bounded like the session cache."""
+
+    def __init__(self, size: int = SESSION_CACHE_SIZE) -> None:
+        self._entries: OrderedDict[str, _Rendered] = OrderedDict()
+        self._size = size
+
+    def before(self, state: SessionState, turn: TurnState,
+               compression: Compression | None) -> list[Message]:
+        sid = state.session_id
+        existing = self._entries.get(sid)
+        kept = existing
+        if kept is None or kept.agent != turn.agent or kept.upto > turn.seq:
+            kept = _Rendered(turn.agent, 0, [])  # another agent's, or ahead of this turn
+        upto = kept.upto
+        final: list[Message] = []
+        tail: list[Message] = []
+        running = False
+        for item in _items_before(state, kept.upto, turn.seq):
+            running = running or (isinstance(item, TurnState) and item.status == "running")
+            if running:
+                tail += _render_one(item, turn, compression)  # may still change: not kept
+            else:
+                final += _render_one(item, turn, compression)
+                upto = item.seq + 1
+        if not running:
+            upto = turn.seq  # everything stored before the turn is rendered, and final
+        out = [*kept.messages, *final, *tail]
+        if kept is not existing and existing is not None and existing.agent == turn.agent:
+            return out  # an older turn's view: the one kept goes further
+        kept.messages += final
+        kept.upto = upto
+        self._entries[sid] = kept
+        self._entries.move_to_end(sid)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return out
 
 
 _encode = msgspec.json.Encoder().encode
@@ -934,6 +1022,7 @@ class Planner:
         self._approval = approval
         self._approver: InlineApprover | None = approval.decide_inline if approval else None
         self._max_parallel = max_parallel
+        self._history = HistoryCache()  # what the model reads of each session's past
         self._kernel = Kernel(bus, ACTOR, clock=clock)
         self._states = SessionStates(bus, self._kernel.log)
         self._catalog = catalog
@@ -1142,7 +1231,7 @@ class Planner:
         publish: _Deltas | None = None
         if asked.purpose == "match":
             system: str | None = match_prompt(rules)
-            messages = transcript(state, turn, self._compression)
+            messages = transcript(state, turn, self._compression, self._history)
             schema = match_schema(rules)
             validator = Validator(schema)
         elif asked.purpose == "think":
@@ -1153,11 +1242,12 @@ class Planner:
                     "one that started the turn?"))
             step, validator = found
             system = think_prompt(rules, turn, step)
-            messages = think_messages(state, turn, step.id, self._compression)
+            messages = think_messages(state, turn, step.id, self._compression,
+                                      self._history)
             schema = step.output_schema
         else:
             system = system_prompt(rules, turn)
-            messages = transcript(state, turn, self._compression)
+            messages = transcript(state, turn, self._compression, self._history)
             tools = offered_tools(rules, self._offer(turn.agent), turn)
             publish = self._delta_publisher(sid, asked)
             if rules.mode == "composed":
