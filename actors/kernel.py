@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -66,6 +66,8 @@ from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
 from schemas.state import SessionState, evolve
 
 log = logging.getLogger("toolbus.kernel")
+# Folded sequences each session remembers, to notice one delivered after a read skipped it.
+_RECENT_SEQS = 256
 
 # The trace headers of the message being handled, per task (each delivery has its own):
 # what the events it causes carry on, also when this process exports no spans.
@@ -315,10 +317,19 @@ class Entry:
     # True once a decision was taken on the state as it is (nothing was due, or what was
     # due is written); False after a cold load, so redeliveries decide again.
     settled: bool = False
+    # The sequences folded lately, oldest first (see `missed`).
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=_RECENT_SEQS))
 
     @property
     def is_caught_up(self) -> bool:
         return self.state.last_seq >= self.written_upto
+
+    def missed(self, seq: int) -> bool:
+        """Whether `seq`, at or behind the state, was never folded: it came first to a
+        read that skipped it (on a cluster, around a leader change) and is delivered only
+        now. Known for the last `_RECENT_SEQS` folded; older ones are taken as folded."""
+        recent = self.recent
+        return bool(recent) and recent[0] < seq <= self.state.last_seq and seq not in recent
 
 
 class SessionStates:
@@ -448,6 +459,7 @@ class SessionStates:
             evolve(state, event, seq)
         else:
             state.last_seq = seq  # an unreadable event: skipped, but the position moves
+        entry.recent.append(seq)
         entry.folded_since_snapshot += 1
         every = self._snapshot_every
         if every is not None and entry.folded_since_snapshot >= every:
@@ -508,6 +520,7 @@ class SessionStates:
             await self._complete(fresh)
             if fresh.state.last_seq >= entry.state.last_seq:
                 entry.state = fresh.state
+                entry.recent = fresh.recent
                 entry.written_upto = min(entry.written_upto, entry.state.last_seq)
                 entry.caught_up.set()
                 entry.settled = False

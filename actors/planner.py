@@ -1130,9 +1130,9 @@ class Planner:
             stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
             if delivery.stream_seq > entry.state.last_seq:
                 self._states.fold(entry, stored.seq, stored.event)
-            elif delivery.num_delivered > 1:
-                # A redelivery behind what is folded: maybe one never seen (see the
-                # session actor); fold the log again.
+            elif delivery.num_delivered > 1 or entry.missed(delivery.stream_seq):
+                # Delivered behind what is folded: one never seen (see the session
+                # actor); fold the log again.
                 await self._states.rebuild(entry)
             event = stored.event
             started: list[_Started] = []

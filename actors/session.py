@@ -529,10 +529,11 @@ class SessionActor:
             waiting.cancel()
         entry = await self._states.entry(sid)
         async with entry.lock:
-            if delivery.stream_seq <= entry.state.last_seq and delivery.num_delivered > 1:
-                # Delivered again after later events were folded: if it is one this
-                # state never saw (its first delivery was lost with a node), fold the
-                # log again so it is in its place.
+            if delivery.stream_seq <= entry.state.last_seq and (
+                    delivery.num_delivered > 1 or entry.missed(delivery.stream_seq)):
+                # Delivered after later events were folded: if it is one this state never
+                # saw (its first delivery was lost with a node, or a read went past it),
+                # fold the log again so it is in its place.
                 await self._states.rebuild(entry)
             elif delivery.stream_seq <= entry.state.last_seq and entry.settled and \
                     entry.is_caught_up:
