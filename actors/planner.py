@@ -1163,6 +1163,7 @@ class Planner:
         while its `model.requested` is being stored (a call has no side effects: if the
         store loses a race, the answer is dropped), and its answer is stored together
         with what it makes due."""
+        pending: list[_Started] = []
         try:
             for _ in range(_ANSWERS_PER_DELIVERY):
                 if not started:
@@ -1170,11 +1171,13 @@ class Planner:
                     if not started:
                         return
                 pending, started = started, []
-                for ask, task in pending:
+                while pending:
+                    ask, task = pending[0]
                     started += await self._finish(entry, ask, await task, delivery)
+                    pending.pop(0)
         finally:
             # Left to their deliveries (the limit above, or an error on the way).
-            await _cancel([task for _, task in started])
+            await _cancel([task for _, task in [*pending, *started]])
 
     async def _decide_and_ask(self, entry: Entry, delivery: Delivery) -> list[_Started]:
         """One decision written (re-read and re-decided on a conflict); the model calls it
@@ -1343,6 +1346,13 @@ class Planner:
             if self._approver is not None:
                 follow = settle_calls(after, follow, self._approver,
                                       max_parallel=self._max_parallel, now=self._clock())
+            if any(isinstance(i.event, CallRequested) for i in follow):
+                # Stored behind the answer, which alone is checked: should a cancellation
+                # (`trigger_processing`) be stored first, none of these calls may be.
+                last = max((t.ended_seq or 0 for t in state.turns.values()
+                            if t.status == "cancelled"), default=0)
+                follow = [dataclasses.replace(i, unless_cancelled_after=last)
+                          for i in follow]
             asks = self._asks(after, follow)
         tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
         stored = self._storing_inline(follow)

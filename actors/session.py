@@ -30,10 +30,11 @@ from the state alone, so a crash between two appends is healed by the next deliv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -191,6 +192,16 @@ def accept_request(state: SessionState, request: Request, request_id: str, *,
     for seq, item in enumerate(out, start=1):
         evolve(scratch, item.event, seq)
     return out + due_in_turn(scratch, scratch.turns[turn_id], max_parallel, now)
+
+
+async def _release(deliveries: Sequence[Delivery], *, decided: bool) -> None:
+    """Ack deliveries a decision was taken after, or have them delivered again."""
+    for held in deliveries:
+        with contextlib.suppress(Exception):  # a lost ack or nak is a redelivery
+            if decided:
+                await held.ack()
+            else:
+                await held.nak()
 
 
 def _dispatch(state: SessionState, call: CallState, now: float) -> Append:
@@ -438,8 +449,10 @@ class SessionActor:
         self._max_parallel = max_parallel
         self._approval = approval
         # Sessions whose last event so far said more of its decision follows: decided
-        # anyway if nothing comes within `_MORE_WAIT_S` (its writer failed half way).
-        self._awaiting_rest: dict[str, asyncio.TimerHandle] = {}
+        # anyway if nothing comes within `_MORE_WAIT_S` (its writer failed half way). Their
+        # deliveries are held, not acked, until a decision is taken after them: killed
+        # meanwhile, they are delivered again to whoever owns the session then.
+        self._awaiting_rest: dict[str, tuple[asyncio.TimerHandle, list[Delivery]]] = {}
         self._late: set[asyncio.Task[None]] = set()
         self._max_request_bytes = max_request_bytes
         self._max_calls = max_calls
@@ -475,14 +488,18 @@ class SessionActor:
         await self._state_rpc.start()
 
     async def stop(self, grace: float = 5.0) -> None:
-        for waiting in self._awaiting_rest.values():
-            waiting.cancel()
+        for timer, held in self._awaiting_rest.values():
+            timer.cancel()
+            await _release(held, decided=False)
         self._awaiting_rest.clear()
+        for task in list(self._late):
+            task.cancel()
+        for task in list(self._late):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         await self._state_rpc.stop()
         await self._owner.stop()
         await self._kernel.stop(grace)
-        for task in list(self._late):
-            task.cancel()
 
     async def _take(self, part: int) -> None:
         self._partition_loops[part] = [
@@ -525,8 +542,18 @@ class SessionActor:
             await delivery.ack()
             return
         waiting = self._awaiting_rest.pop(sid, None)
+        held: list[Delivery] = []
         if waiting is not None:
-            waiting.cancel()
+            waiting[0].cancel()
+            held = waiting[1]
+        try:
+            await self._on_session_event(delivery, sid, held)
+        except BaseException:
+            await _release(held, decided=False)
+            raise
+
+    async def _on_session_event(self, delivery: Delivery, sid: str,
+                                held: list[Delivery]) -> None:
         entry = await self._states.entry(sid)
         async with entry.lock:
             if delivery.stream_seq <= entry.state.last_seq and (
@@ -539,7 +566,7 @@ class SessionActor:
                     entry.is_caught_up:
                 # Already folded (mostly our own writes coming back): the state has not
                 # changed since the last decision, so nothing new can be due.
-                await delivery.ack()
+                await _release([*held, delivery], decided=True)
                 return
             if delivery.stream_seq > entry.state.last_seq:
                 stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
@@ -551,33 +578,40 @@ class SessionActor:
                         stored.event.actor == ACTOR and stored.event.reason == "internal":
                     # Our own record that deciding for this session raised: deciding
                     # again on it would raise again and record again, forever.
-                    await delivery.ack()
+                    await _release([*held, delivery], decided=True)
                     return
                 headers = delivery.headers
                 if headers and Header.MORE.value in headers:
                     # More of another actor's decision follow right behind: decided on
                     # once whole (deciding on a part races its rest), or after a while
-                    # if the rest never comes.
-                    self._awaiting_rest[sid] = asyncio.get_running_loop().call_later(
-                        _MORE_WAIT_S, self._decide_late, sid, stored.seq)
-                    await delivery.ack()
+                    # if the rest never comes. Held unacked until then.
+                    held.append(delivery)
+                    self._awaiting_rest[sid] = (asyncio.get_running_loop().call_later(
+                        _MORE_WAIT_S, self._decide_late, sid, stored.seq), held)
                     return
             await self._settle(entry)
-        await delivery.ack()
+        await _release([*held, delivery], decided=True)
 
     def _decide_late(self, sid: str, seq: int) -> None:
-        self._awaiting_rest.pop(sid, None)
+        waiting = self._awaiting_rest.pop(sid, None)
+        held = waiting[1] if waiting is not None else []
 
         async def settle() -> None:
             entry = self._states.peek(sid)
-            if entry is None or entry.state.last_seq != seq or not self._owns(sid):
-                return  # something came after all (and was decided on), or not ours now
-            async with entry.lock:
-                try:
+            if entry is None or not self._owns(sid):
+                # Not ours any more (or no longer in memory): delivered again, to whoever
+                # owns the session now, and decided there.
+                await _release(held, decided=False)
+                return
+            try:
+                async with entry.lock:
                     await self._settle(entry)
-                except Exception as exc:  # the next event of the session decides again
-                    log.warning("session %s: deciding after an unfinished decision "
-                                "failed: %s", sid, exc)
+            except Exception as exc:
+                log.warning("session %s: deciding after an unfinished decision failed: "
+                            "%s; its events are delivered again", sid, exc)
+                await _release(held, decided=False)
+                return
+            await _release(held, decided=True)
 
         task = asyncio.get_running_loop().create_task(settle())
         self._late.add(task)

@@ -19,7 +19,7 @@ from bus.auth import READ_ONLY_ROLES
 from bus.connection import Bus
 from bus.direct import direct_batch
 from bus.headers import Header
-from bus.subjects import EVENTS_STREAM, event_subject, session_filter
+from bus.subjects import EVENTS_STREAM, event_filter, event_subject, session_filter
 from schemas.defaults import MAX_EVENT_BYTES
 from schemas.errors import (
     AppendError,
@@ -54,6 +54,10 @@ class Append:
     event: Event
     msg_id: str
     route: str | None = None
+    # Not the first event of a decision: stored only if the session's last
+    # `turn.cancelled` is still at this sequence (0: none), so that a decision taken on a
+    # state a cancellation has overtaken stores none of its calls (see `append_decision`).
+    unless_cancelled_after: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +253,8 @@ class EventLog:
                                 headers)
 
     async def _send(self, item: Append, prepared: tuple[str, bytes, dict[str, str]],
-                    expect_last: int | None, headers: Mapping[str, str] | None
+                    expect_last: int | None, headers: Mapping[str, str] | None,
+                    expect_subject: str | None = None
                     ) -> Callable[[], Awaitable[AppendResult]]:
         subject, payload, hdrs = prepared
         try:
@@ -271,7 +276,8 @@ class EventLog:
                     return done[0]
                 except _RETRYABLE:
                     pass
-            done.append(await self.append(item, expect_last=expect_last, headers=headers))
+            done.append(await self.append(item, expect_last=expect_last,
+                                          expect_subject=expect_subject, headers=headers))
             return done[0]
 
         return result
@@ -287,19 +293,27 @@ class EventLog:
         # harmless, because a decision's events have deterministic ids and the
         # re-decision after a re-read writes the same ids (deduplicated) and the reducer
         # accepts either order. Every event is prepared (size-checked) before any is sent.
-        expects = [expect_last if i == 0 else None for i in range(len(items))]
+        # The rest may carry a guard of their own: no `turn.cancelled` stored since.
+        expects = [expect_last if i == 0 else item.unless_cancelled_after
+                   for i, item in enumerate(items)]
+        subjects = [None if i == 0 or item.unless_cancelled_after is None else
+                    event_filter(item.event.session_id, "turn.cancelled")
+                    for i, item in enumerate(items)]
         more = [{**(headers or {}), Header.MORE.value: str(len(items) - 1 - i)}
                 if i < len(items) - 1 else headers for i in range(len(items))]
-        prepared = [self._prepare(item, expect, None, extra)
-                    for item, expect, extra in zip(items, expects, more, strict=True)]
+        prepared = [self._prepare(item, expect, subject, extra)
+                    for item, expect, subject, extra
+                    in zip(items, expects, subjects, more, strict=True)]
         if self._bus.replicated:
             # One after another, each once the one before is stored: a leader change
             # could otherwise store a later event of the decision and lose an earlier.
-            return [await self.append(item, expect_last=expect, headers=extra)
-                    for item, expect, extra in zip(items, expects, more, strict=True)]
-        pending = [await self._send(item, one, expect, extra)
-                   for item, one, expect, extra in zip(items, prepared, expects, more,
-                                                       strict=True)]
+            return [await self.append(item, expect_last=expect, expect_subject=subject,
+                                      headers=extra)
+                    for item, expect, subject, extra
+                    in zip(items, expects, subjects, more, strict=True)]
+        pending = [await self._send(item, one, expect, extra, subject)
+                   for item, one, expect, subject, extra
+                   in zip(items, prepared, expects, subjects, more, strict=True)]
         results: list[AppendResult] = []
         failure: AppendError | None = None
         for result in pending:

@@ -41,3 +41,38 @@ async def test_a_decision_event_resent_after_a_failed_publish_keeps_its_own_id(
     again = await EventLog(bus).append_decision([_event(sid, i) for i in range(3)],
                                                 expect_last=None)
     assert all(r.duplicate for r in again)  # every id was stored under its own name
+
+
+async def test_a_decision_overtaken_by_a_cancellation_stores_none_of_its_guarded_events(
+        bus: Bus, sid: str) -> None:
+    # Only a decision's first event is checked against the session's last; the rest of
+    # it may carry `unless_cancelled_after`, so that a `turn.cancelled` stored since the
+    # state the decision was taken on keeps them out (a planner's calls, approved and
+    # dispatched behind its answer).
+    import dataclasses
+
+    import pytest
+
+    from bus.headers import Header
+    from schemas.errors import ConcurrencyError
+    from schemas.events import TurnCancelled
+
+    log = EventLog(bus)
+    first = await log.append(_event(sid, 0))
+    cancelled = await log.append(Append(TurnCancelled(
+        session_id=sid, at=1.0, actor="session", turn_id="t1", request_id="t1",
+        reason="superseded", message="a newer event"), f"{sid}:cancel"))
+    stale = [_event(sid, 1), *(dataclasses.replace(_event(sid, i), unless_cancelled_after=0)
+                               for i in (2, 3))]
+    # Taken before the cancellation: the answer (unchecked here) is stored, its calls not.
+    with pytest.raises(ConcurrencyError):
+        await log.append_decision(stale, expect_last=None)
+    stored = [s.event for s in await log.read_session(sid)]
+    assert [getattr(e, "message", None) for e in stored] == ["m0", "a newer event", "m1"]
+    # Taken after it: stored whole, every event but the last saying more follow.
+    fresh = [_event(sid, 4), *(dataclasses.replace(
+        _event(sid, i), unless_cancelled_after=cancelled.seq) for i in (5, 6))]
+    results = await log.append_decision(fresh, expect_last=None)
+    assert len(results) == 3 and results[0].seq > first.seq
+    msgs = [await bus.js.get_msg("TOOLBUS_EVENTS", r.seq) for r in results]
+    assert [(m.headers or {}).get(Header.MORE.value) for m in msgs] == ["2", "1", None]
