@@ -379,23 +379,22 @@ class SessionStates:
     async def _load(self, sid: str) -> Entry:
         """The session folded from its snapshot and the log after it. The snapshot and
         the head of the log are read at once: a new or short session (the head is all of
-        it) costs one round trip and its snapshot is not needed."""
+        it) costs one round trip of latency, and no second read."""
         snapshot = asyncio.ensure_future(self._trusted_snapshot(sid))
         try:
             head, whole = await self._log.read_head(sid)
-            if whole:
-                stored_events = head
-                state = SessionState(session_id=sid)
-            else:
-                state = await snapshot or SessionState(session_id=sid)
-                stored_events = await self._log.read_session(sid, after=state.last_seq)
+            # Awaited even then: the log's head may have been trimmed (limits, a purge),
+            # and the snapshot is what holds what came before it.
+            state = await snapshot or SessionState(session_id=sid)
         finally:
             if not snapshot.done():
                 snapshot.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await snapshot
-            elif not snapshot.cancelled():
-                snapshot.exception()  # retrieved: a failed snapshot read only costs time
+        if whole:
+            stored_events = [e for e in head if e.seq > state.last_seq]
+        else:
+            stored_events = await self._log.read_session(sid, after=state.last_seq)
         entry = Entry(state)
         for stored in stored_events:
             self._fold(entry, stored.seq, stored.event)

@@ -5,12 +5,14 @@ wait on events instead of sleeping."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -218,6 +220,31 @@ class Proc:
         )
         self.ready = ready
         self.banner = ""
+        # Drained all along: a process whose stderr pipe fills up blocks on its next log
+        # line and can no longer stop. The last lines are kept for failure messages.
+        self.errors: collections.deque[str] = collections.deque(maxlen=5000)
+        self._drain = threading.Thread(target=self._read_errors, daemon=True)
+        self._drain.start()
+
+    def _read_errors(self) -> None:
+        stream = self.proc.stderr
+        if stream is None:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            for line in stream:
+                self.errors.append(line)
+
+    @property
+    def stderr_tail(self) -> str:
+        return "".join(self.errors)
+
+    def stderr_after_exit(self, timeout: float = 10.0) -> str:
+        """Everything it logged (its last 5,000 lines), once it has exited."""
+        self.proc.wait(timeout)
+        self._drain.join(timeout)
+        if not self._drain.is_alive() and self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return self.stderr_tail
 
     async def wait_ready(self, timeout: float = 30.0) -> str:
         assert self.proc.stdout is not None
@@ -225,8 +252,8 @@ class Proc:
             while True:
                 line = await asyncio.to_thread(self.proc.stdout.readline)
                 if not line:
-                    err = self.proc.stderr.read() if self.proc.stderr else ""
-                    raise AssertionError(f"process exited before ready: {err}")
+                    await asyncio.to_thread(self._drain.join, 5)
+                    raise AssertionError(f"process exited before ready: {self.stderr_tail}")
                 self.banner += line
                 if self.ready in line:
                     return self.banner
@@ -248,6 +275,9 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+                print(f"{self.proc.args[3:5]} did not stop within {timeout} s; its stderr "
+                      f"ended with:\n{self.stderr_tail[-4000:]}")
+        self._drain.join(5)
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream:
                 stream.close()

@@ -8,8 +8,9 @@ import asyncio
 import msgspec
 
 from actors.kernel import Entry, SessionStates
-from bus.connection import Bus
+from bus.connection import Bus, connect
 from bus.eventlog import Append, EventLog
+from bus.server import EmbeddedServer
 from bus.snapshots import Snapshot, SnapshotStore
 from bus.subjects import SNAPSHOTS_BUCKET
 from schemas.events import RequestRejected
@@ -57,7 +58,7 @@ async def test_a_cold_session_loads_its_snapshot_and_folds_only_the_tail(
     assert encode_state(cold.state) == await _folded(log, sid)
 
 
-async def test_a_short_session_is_read_whole_in_one_batch_without_its_snapshot(
+async def test_a_short_session_is_read_whole_in_one_batch_beside_its_snapshot(
         bus: Bus, sid: str) -> None:
     log = EventLog(bus)
     await _append_rejections(log, sid, 30)
@@ -152,3 +153,27 @@ async def test_an_event_delivered_after_a_read_went_past_it_is_noticed(
     assert skipped.missed(seqs[1]) and not skipped.missed(seqs[2])
     assert await states.rebuild(skipped) and skipped.state.event_count == 3
     assert not skipped.missed(seqs[1])
+
+
+async def test_a_session_whose_oldest_events_were_purged_loads_from_its_snapshot(
+        bus: Bus, nats_server: EmbeddedServer, sid: str) -> None:
+    # An operator trimmed the log (limits, a purge): the snapshot holds what came before
+    # the head that is left, even when that head fits in one read.
+    log = EventLog(bus)
+    await _append_rejections(log, sid, 30)
+    writer = SessionStates(bus, log, snapshot_every=20)
+    whole = encode_state((await writer.entry(sid)).state)
+    for task in list(writer._saving):
+        await task
+    snap = await SnapshotStore(bus).load(sid)
+    assert snap is not None and snap.event_count >= 20
+    seqs = [s.seq for s in await log.read_session(sid)]
+    admin = await connect(nats_server.url_for("admin"), name="tests-admin")
+    try:
+        await admin.js.purge_stream("TOOLBUS_EVENTS", subject=f"toolbus.evt.{sid}.>",
+                                    seq=seqs[10])  # the first ten are gone
+    finally:
+        await admin.close()
+    assert len(await log.read_session(sid)) == 20
+    cold = await SessionStates(bus, log).entry(sid)
+    assert encode_state(cold.state) == whole

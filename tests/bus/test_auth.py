@@ -273,8 +273,7 @@ async def test_no_auth_says_so_loudly(tmp_path: Path) -> None:
         await bus.close()
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(20) == 0
-        assert up.proc.stderr is not None
-        assert "WARNING: --no-auth" in up.proc.stderr.read()
+        assert "WARNING: --no-auth" in up.stderr_after_exit()
     finally:
         up.stop(signal.SIGINT)
 

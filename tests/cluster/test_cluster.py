@@ -9,10 +9,9 @@ import contextlib
 import json
 import signal
 import subprocess
-import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,33 +50,21 @@ async def up(cluster: Cluster, cars: SampleServer,
                         f"    port: {cars.port}\n")
     proc = Proc("up", "--workers", "1", "--manifest", str(manifest), "--tools",
                 "tests/toolkit.py", ready="stop:", env={"NATS_URL": cluster.url("actor")})
-    drain: threading.Thread | None = None
     try:
         banner = await proc.wait_ready()
         assert cluster.passwords["actor"] not in banner
         assert "embedded" not in banner
-        # Its log goes on being read: a full pipe would block its writes, and it, when a
-        # node's death makes every actor log.
-        drain = threading.Thread(target=_drain, args=(proc, UP_LOG), daemon=True)
-        drain.start()
+        # Its log is read all along by Proc (a full pipe would block its writes, and it,
+        # when a node's death makes every actor log); the last lines are shown on failure.
         yield proc
     finally:
         if proc.proc.poll() is None:
             proc.proc.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.proc.wait(20)
-        if drain is not None:
-            drain.join(10)
         proc.stop()
 
 
-UP_LOG: deque[str] = deque(maxlen=200)  # the last lines `toolbus up` logged
-
-
-def _drain(proc: Proc, into: deque[str]) -> None:
-    assert proc.proc.stderr is not None
-    for line in proc.proc.stderr:  # until it exits
-        into.append(line.rstrip())
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +322,7 @@ async def test_killing_the_events_leader_then_a_follower_loses_no_call(
               f"turn {live.get('turns', {}).get(rid, {}).get('status')}, call "
               f"{live.get('calls', {}).get(f'{rid}-0', {}).get('status')}")
     if load.stuck:
-        print("toolbus up logged, last:", *UP_LOG, sep="\n  ")
+        print("toolbus up logged, last:", *list(up.errors)[-200:], sep="\n  ")
     assert not load.stuck, load.stuck
     for sid in sorted(set(load.sessions.values())):
         events = [s.event for s in await log.read_session(sid) if s.event is not None]

@@ -106,7 +106,7 @@ async def test_toolbus_up_serves_cli_and_raw_clients_and_survives_a_server_kill(
 
         os.kill(server_pid, signal.SIGKILL)
         assert await asyncio.to_thread(up.proc.wait, 20) == 1
-        assert "embedded nats-server exited" in up.proc.stderr.read()  # type: ignore[union-attr]
+        assert "embedded nats-server exited" in up.stderr_after_exit()
     finally:
         up.stop()
 
@@ -273,8 +273,7 @@ async def test_a_dead_worker_is_restarted_and_a_killed_parent_leaves_no_process_
         assert out.stdout == '{"again":1}\n', out.stderr
         os.kill(up.pid, signal.SIGKILL)  # no clean-up: the kernel tells the children
         assert _gone(new_pid, 20) and _gone(server_pid, 20), "orphans of a killed toolbus up"
-        assert up.proc.stderr is not None
         assert (f"worker wr-1 (pid {worker_pid}) exited with code -9; restarting it"
-                in up.proc.stderr.read())
+                in up.stderr_after_exit())
     finally:
         up.stop()
