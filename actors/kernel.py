@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from actors import metrics
 from bus import trace
-from bus.connection import Bus
+from bus.connection import Bus, as_bus_error
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, AppendResult, EventLog
 from bus.snapshots import SnapshotStore, encode_snapshot
@@ -105,10 +105,12 @@ class Inbox:
 
 
 def _is_passing(exc: BaseException) -> bool:
-    """Worth another delivery: the bus, not the message, was the problem."""
+    """Worth another delivery: the bus, not the message, was the problem (a nats-py
+    error that escaped, such as JetStream's 503 while a cluster elects a leader, too)."""
     if isinstance(exc, EventTooLargeError):
         return False
-    return isinstance(exc, BusError | TimeoutError | ConnectionError)
+    return isinstance(exc, BusError | TimeoutError | ConnectionError) or \
+        as_bus_error(exc) is not None
 
 
 def _backoff_s(delivered: int) -> float:

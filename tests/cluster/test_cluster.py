@@ -215,7 +215,8 @@ class Load:
                         except ToolbusError as exc:
                             self.errors[type(exc).__name__] += 1
                             continue
-                        assert isinstance(end, TurnCompleted) and end.ok, end.outcomes
+                        assert isinstance(end, TurnCompleted) and end.ok, \
+                        f"{type(end).__name__}: {getattr(end, 'message', '')}"
                         assert end.outcomes[0].result == {"rid": rid}
                         self.ended[rid] = time.monotonic()
                         self.progress.set()
@@ -303,7 +304,11 @@ async def test_killing_the_events_leader_then_a_follower_loses_no_call(
         follower = next(n for n in cluster.nodes if n.name != new_leader)
         resumed_follower = await _kill_under_load(cluster, actor_bus, load, follower)
     finally:
-        await load.stop()
+        try:
+            await load.stop()
+        except AssertionError:
+            print("toolbus up logged, last:", *list(up.errors)[-200:], sep="\n  ")
+            raise
     assert up.proc.poll() is None, "toolbus up died with a node"
     print(f"\n{len(load.ended)} calls; resumed {resumed_leader:.2f} s after the leader's "
           f"kill, {resumed_follower:.2f} s after the follower's; retries {dict(load.errors)}")
