@@ -117,7 +117,18 @@ class PartitionOwner:
                 self.owned[part] = await kv.update(self._lease(part), self._instance.encode(),
                                                    last=revision)
             except nats.js.errors.KeyWrongLastSequenceError:
-                # Expired and taken by another member meanwhile: no longer ours.
+                # The lease expired (the bus was away longer than its TTL: a cluster
+                # electing the bucket's leader). If nobody took it meanwhile, it is taken
+                # again at once: the partition never changed hands, so its consumers and
+                # states go on, instead of being dropped and loaded again.
+                try:
+                    self.owned[part] = await kv.create(self._lease(part),
+                                                       self._instance.encode())
+                    log.warning("%s %s: lease of partition %d expired; taken again",
+                                self._group, self._instance, part)
+                    continue
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    pass  # another member holds it now
                 log.warning("%s %s: lost partition %d", self._group, self._instance, part)
                 self.owned.pop(part, None)
                 await self._on_release(part)
