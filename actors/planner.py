@@ -1188,27 +1188,11 @@ class Planner:
             items = self._decide(entry.state)
             if not items:
                 return []
-            asks = self._asks(entry.state, items)
-            tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
-            stored = self._storing_inline(items)
             try:
-                await self._states.write(entry, items)
+                return await self._store(entry, items, self._asks(entry.state, items),
+                                         delivery)
             except ConcurrencyError:
-                stored(False)
-                await _cancel(tasks)
                 await self._states.reread(entry)
-                continue
-            except BaseException:
-                stored(False)
-                await _cancel(tasks)
-                raise
-            stored(True)
-            if not entry.is_caught_up:
-                # Stored, but not right after what this state holds: the deliveries
-                # will answer (a model call dropped here is asked again there).
-                await _cancel(tasks)
-                return []
-            return list(zip(asks, tasks, strict=True))
         log.warning("planner: session %s: gave up deciding after %d conflicts",
                     entry.state.session_id, DECIDE_ATTEMPTS)
         return []
@@ -1354,21 +1338,29 @@ class Planner:
                 follow = [dataclasses.replace(i, unless_cancelled_after=last)
                           for i in follow]
             asks = self._asks(after, follow)
-        tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
-        stored = self._storing_inline(follow)
         try:
             # Checked, so that it is folded now only if nothing was stored meanwhile (a
             # tool event injected during the model call must not be skipped over).
-            await self._states.write(entry, [item, *follow])
+            return await self._store(entry, [item, *follow], asks, delivery)
         except ConcurrencyError:
-            stored(False)
-            await _cancel(tasks)
             result = await self._kernel.log.append(item)
             # Folded when delivered, after whatever came before it.
             entry.written_upto = max(entry.written_upto, result.seq)
             if not entry.is_caught_up:
                 entry.caught_up.clear()
             return []
+
+    async def _store(self, entry: Entry, items: list[Append], asks: list[_Ask],
+                     delivery: Delivery) -> list[_Started]:
+        """Write a decision (checked; `ConcurrencyError` on a conflict) with the model calls
+        it asks for started beside the store, and the approval actor told what is being
+        decided inline; the calls are cancelled if the store fails, or if it did not land
+        right after this state (the deliveries answer then: a call dropped here is asked
+        again there)."""
+        tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
+        stored = self._storing_inline(items)
+        try:
+            await self._states.write(entry, items)
         except BaseException:
             stored(False)
             await _cancel(tasks)

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -203,6 +204,20 @@ def toolbus_cmd(*args: str) -> list[str]:
 def run_toolbus(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(toolbus_cmd(*args), capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, env={**os.environ, **env})
+
+
+async def pending_approval_call(approver_url: str, sid: str, timeout: float = 30) -> str:
+    """The id of the call of session `sid` that `toolbus approvals` lists (waited for)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            listed = await asyncio.to_thread(run_toolbus, "approvals", "--json", "--nats",
+                                             approver_url)
+            assert listed.returncode == 0, listed.stderr
+            for line in listed.stdout.splitlines():
+                item = json.loads(line)
+                if item["session_id"] == sid:
+                    return str(item["call_id"])
+            await asyncio.sleep(0.2)
 
 
 def role_url(data_dir: Path, role: str) -> str:

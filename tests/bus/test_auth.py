@@ -22,7 +22,7 @@ from bus.connection import Bus, connect
 from bus.server import free_port, nats_server_binary
 from bus.subjects import approval_subject, event_subject
 from schemas.errors import AuthError, PermissionDeniedError
-from tests.conftest import REPO, Proc, role_url, run_toolbus
+from tests.conftest import REPO, Proc, pending_approval_call, role_url, run_toolbus
 
 DEPLOY = REPO / "deploy" / "nats"
 
@@ -135,7 +135,7 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
          "--nats", urls["client"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, cwd=REPO)
     try:
-        call_id = await _pending_call(urls["approver"], asid)
+        call_id = await pending_approval_call(urls["approver"], asid)
         as_client = run_toolbus("approve", call_id, "--session", asid, "--nats", urls["client"])
         assert as_client.returncode == 3, as_client.stderr
         assert "denies the client role publishing" in as_client.stderr
@@ -159,19 +159,6 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
 def _toolbus() -> list[str]:
     import sys
     return [sys.executable, "-m", "services.cli"]
-
-
-async def _pending_call(approver_url: str, sid: str) -> str:
-    async with asyncio.timeout(20):
-        while True:
-            listed = await asyncio.to_thread(run_toolbus, "approvals", "--json", "--nats",
-                                             approver_url)
-            assert listed.returncode == 0, listed.stderr
-            for line in listed.stdout.splitlines():
-                item = json.loads(line)
-                if item["session_id"] == sid:
-                    return str(item["call_id"])
-            await asyncio.sleep(0.2)
 
 
 async def _raw_call(url: str, sid: str) -> list[dict]:

@@ -26,7 +26,14 @@ from schemas.errors import ToolbusError
 from schemas.events import CallFailed, CallSucceeded, TurnCompleted
 from schemas.state import encode_state, fold
 from tests.cluster.conftest import Cluster, Node
-from tests.conftest import REPO, Proc, assert_replay_equals_live, run_toolbus, toolbus_cmd
+from tests.conftest import (
+    REPO,
+    Proc,
+    assert_replay_equals_live,
+    pending_approval_call,
+    run_toolbus,
+    toolbus_cmd,
+)
 from tests.mcp_servers import SampleServer
 
 STREAMS = ("TOOLBUS_EVENTS", "TOOLBUS_REQUESTS", "KV_toolbus_catalog", "KV_toolbus_snapshots",
@@ -117,7 +124,7 @@ async def test_core_cases_pass_on_a_three_node_cluster_with_r3_streams(
                         "--nats", cluster.url("client")),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         try:
-            call_id = await _pending_call(cluster.url("approver"), asid)
+            call_id = await pending_approval_call(cluster.url("approver"), asid)
             approved = await asyncio.to_thread(
                 run_toolbus, "approve", call_id, "--session", asid, "--by", "alice",
                 "--nats", cluster.url("approver"))
@@ -145,19 +152,6 @@ async def test_core_cases_pass_on_a_three_node_cluster_with_r3_streams(
         assert types.count("approval.granted") == 1 and types.count("call.succeeded") == 1
     finally:
         await client.close()
-
-
-async def _pending_call(approver_url: str, sid: str) -> str:
-    async with asyncio.timeout(30):
-        while True:
-            listed = await asyncio.to_thread(run_toolbus, "approvals", "--json", "--nats",
-                                             approver_url)
-            assert listed.returncode == 0, listed.stderr
-            for line in listed.stdout.splitlines():
-                item = json.loads(line)
-                if item["session_id"] == sid:
-                    return str(item["call_id"])
-            await asyncio.sleep(0.2)
 
 
 # --- a node killed under load -----------------------------------------------------------
