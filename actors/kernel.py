@@ -63,7 +63,7 @@ from schemas.events import (
     TurnFailed,
 )
 from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
-from schemas.state import SessionState, evolve
+from schemas.state import SessionState, decode_state, encode_state, evolve
 
 log = logging.getLogger("toolbus.kernel")
 # Folded sequences each session remembers, to notice one delivered after a read skipped it.
@@ -321,6 +321,10 @@ class Entry:
     settled: bool = False
     # The sequences folded lately, oldest first (see `missed`).
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=_RECENT_SEQS))
+    # The last sequence of the state a decision found nothing due on (-1: none since it
+    # was loaded or rebuilt); while the state is still there, a delivery of an event
+    # folded before it can make nothing new due (the planner's own writes coming back).
+    decided_at: int = -1
 
     @property
     def is_caught_up(self) -> bool:
@@ -351,9 +355,15 @@ class SessionStates:
         self._loading: dict[str, asyncio.Future[Entry]] = {}
         self._snapshot_every = snapshot_every
         self._saving: set[asyncio.Task[None]] = set()
+        # The states of another actor of this process that folds every event of its
+        # sessions (the session actor's): a session cold here is copied from there when
+        # that already holds the event being handled, instead of read from the bus.
+        self.peer: SessionStates | None = None
         _STATES_OF_LOG.setdefault(log, weakref.WeakSet()).add(self)
 
-    async def entry(self, sid: str) -> Entry:
+    async def entry(self, sid: str, *, at_least: int = 0) -> Entry:
+        """The session's entry; `at_least`: the sequence of the event being handled, which
+        a cold entry copied from the peer must hold."""
         entry = self._cache.get(sid)
         if entry is not None:
             self._cache.move_to_end(sid)
@@ -364,7 +374,7 @@ class SessionStates:
         fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self._loading[sid] = fut
         try:
-            entry = await self._load(sid)
+            entry = self._copy_of_peer(sid, at_least) or await self._load(sid)
             await self._complete(entry)
             entry.caught_up.set()
             self._cache[sid] = entry
@@ -401,6 +411,18 @@ class SessionStates:
         for stored in stored_events:
             self._fold(entry, stored.seq, stored.event)
         return entry
+
+    def _copy_of_peer(self, sid: str, at_least: int) -> Entry | None:
+        """The peer's state of the session, copied, if it holds `at_least`. Single server
+        only: there the peer's state is the session's log up to its last sequence, folded
+        in order (on a cluster a read may have gone past an event still to come)."""
+        peer = self.peer
+        if peer is None or at_least <= 0 or self._log.replicated:
+            return None
+        found = peer.peek(sid)
+        if found is None or found.state.last_seq < at_least:
+            return None
+        return Entry(decode_state(encode_state(found.state)))
 
     async def _trusted_snapshot(self, sid: str) -> SessionState | None:
         """The session's snapshot, if the log still agrees with it: its last event
@@ -525,6 +547,7 @@ class SessionStates:
                 entry.written_upto = min(entry.written_upto, entry.state.last_seq)
                 entry.caught_up.set()
                 entry.settled = False
+                entry.decided_at = -1
                 return True
             await asyncio.sleep(0.05)
         log.warning("session %s: could not re-read its log up to seq %d", sid,

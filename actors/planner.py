@@ -1125,10 +1125,11 @@ class Planner:
         if not is_token(sid):
             await delivery.ack()
             return
-        entry = await self._states.entry(sid)
+        entry = await self._states.entry(sid, at_least=delivery.stream_seq)
         async with entry.lock:
             stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
-            if delivery.stream_seq > entry.state.last_seq:
+            new = delivery.stream_seq > entry.state.last_seq
+            if new:
                 self._states.fold(entry, stored.seq, stored.event)
             elif delivery.num_delivered > 1 or entry.missed(delivery.stream_seq):
                 # Delivered behind what is folded: one never seen (see the session
@@ -1146,7 +1147,11 @@ class Planner:
                 if ask is not None:
                     started = await self._finish(entry, ask, await self._call(ask, delivery),
                                                  delivery)
-            await self._settle(entry, delivery, started)
+            if started or new or delivery.num_delivered > 1 or not entry.is_caught_up or \
+                    entry.decided_at != entry.state.last_seq:
+                await self._settle(entry, delivery, started)
+            # Else folded before a decision that found nothing due, and the state has not
+            # changed since (mostly this planner's own writes coming back): nothing can be.
         await delivery.ack()
 
     def _decide(self, state: SessionState) -> list[Append]:
@@ -1187,6 +1192,7 @@ class Planner:
                 return []  # the writes coming back will trigger the next decision
             items = self._decide(entry.state)
             if not items:
+                entry.decided_at = entry.state.last_seq
                 return []
             try:
                 return await self._store(entry, items, self._asks(entry.state, items),
@@ -1360,6 +1366,10 @@ class Planner:
         tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
         stored = self._storing_inline(items)
         try:
+            if tasks:
+                # The model calls go out before the store: the model's round trip is the
+                # longer of the two.
+                await asyncio.sleep(0)
             await self._states.write(entry, items)
         except BaseException:
             stored(False)

@@ -478,6 +478,11 @@ class SessionActor:
         """The partitions this process consumes now."""
         return sorted(self._partition_loops)
 
+    @property
+    def states(self) -> SessionStates:
+        """The sessions this actor keeps folded (read-only for others)."""
+        return self._states
+
     async def start(self) -> None:
         await self._kernel.start()
         # Consumers of the single-process layout (before partitions): the requests one

@@ -22,7 +22,6 @@ from bus.rpc import check_reply
 from bus.subjects import (
     LIVE_PREFIX,
     event_filter,
-    live_filter,
     request_subject,
     state_subject,
 )
@@ -71,10 +70,17 @@ def _turn_of(call_id: str) -> str:
     return call_id.rsplit("-", 1)[0]
 
 
+# The live events a watcher needs, each its own subscription: the others (model round
+# trips, a call's steps) are never sent to it. Results first: the server sends them in
+# stream order, so a result comes before the end of its turn; one handled after that end
+# anyway is read from the log at the sequence the end references.
+_WATCHED = ("call.succeeded", "turn.>", "request.rejected", "tool_event.injected.>")
+
+
 class _Watcher:
-    """One subscription per session on its live events, routing turn ends (and the
-    results of their calls, which the turn's end only references) to the callers
-    waiting on them. One subscription, so they arrive in stream order."""
+    """The subscriptions of one session on the live events that end turns (and on the
+    results of their calls, which the turn's end only references), routing them to the
+    callers waiting on them."""
 
     def __init__(self, session_id: str) -> None:
         self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
@@ -147,9 +153,14 @@ class ToolbusClient:
         # Registered before the await, so concurrent first calls share one subscription.
         self._watchers[session_id] = w
         try:
-            w.subs = [await self.bus.nc.subscribe(live_filter(session_id), cb=w.on_msg)]
+            for kind in _WATCHED:
+                w.subs.append(await self.bus.nc.subscribe(
+                    f"{LIVE_PREFIX}.{session_id}.{kind}", cb=w.on_msg))
         except BaseException:
             del self._watchers[session_id]
+            for s in w.subs:
+                with contextlib.suppress(Exception):
+                    await s.unsubscribe()
             raise
         finally:
             w.ready.set()

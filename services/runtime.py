@@ -174,6 +174,11 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
                                approval=approval, default_agent=policy.default_agent,
                                accept_messages=model is not None,
                                instance=_member_name(settings.instance, "session"))
+        for group in started:
+            if isinstance(group, _PlannerWithCatalog):
+                # A session new to the planner is copied from the session actor's state,
+                # which just stored its turn, instead of read from the bus again.
+                group.planner.states.peer = session.states
         await session.start()
         started.append(session)
     return started

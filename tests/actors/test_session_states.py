@@ -177,3 +177,47 @@ async def test_a_session_whose_oldest_events_were_purged_loads_from_its_snapshot
     assert len(await log.read_session(sid)) == 20
     cold = await SessionStates(bus, log).entry(sid)
     assert encode_state(cold.state) == whole
+
+
+async def test_a_cold_session_is_copied_from_the_peer_when_it_holds_the_event(
+        bus: Bus, sid: str) -> None:
+    # The planner's states borrow from the session actor's of the same process: a session
+    # new to the planner needs no read of the bus when the peer already folded the event
+    # being handled; one the peer is behind on is read from the log as before.
+    log = EventLog(bus)
+    await _append_rejections(log, sid, 12)
+    peer = SessionStates(bus, log)
+    held = await peer.entry(sid)
+    last = held.state.last_seq
+    reads: list[str] = []
+    real_head, real_read = log.read_head, log.read_session
+
+    async def head(session_id: str):  # type: ignore[no-untyped-def]
+        reads.append("head")
+        return await real_head(session_id)
+
+    async def read(session_id: str, **kw):  # type: ignore[no-untyped-def]
+        reads.append("read")
+        return await real_read(session_id, **kw)
+
+    log.read_head, log.read_session = head, read  # type: ignore[method-assign]
+    try:
+        borrower = SessionStates(bus, log)
+        borrower.peer = peer
+        copied = await borrower.entry(sid, at_least=last)
+        assert reads == []
+        assert copied.state is not held.state  # a copy: each actor folds its own
+        assert encode_state(copied.state) == encode_state(held.state)
+        assert encode_state(copied.state) == await _folded(log, sid)
+        reads.clear()
+
+        # An event the peer has not folded yet: read from the bus, as without a peer.
+        await _append_rejections(log, sid, 1, start=12)
+        newest = (await real_read(sid))[-1].seq
+        other = SessionStates(bus, log)
+        other.peer = peer
+        loaded = await other.entry(sid, at_least=newest)
+        assert reads == ["head"] and loaded.state.last_seq == newest
+        assert held.state.last_seq == last  # the peer's own state is left alone
+    finally:
+        log.read_head, log.read_session = real_head, real_read  # type: ignore[method-assign]
