@@ -29,7 +29,7 @@ from bus.subjects import EVENTS_STREAM, dispatch_filter
 from schemas.defaults import SERVER_MAX_PAYLOAD
 from schemas.errors import ServerStartError
 from schemas.tools import instance_route, pool_route
-from services.cli import _actor_settings, build_parser
+from services.commands import _actor_settings, build_parser
 from services.runtime import ACTOR_KINDS, collect_tools, start_actors, stop_actors
 
 K8S = Path(__file__).parents[2] / "deploy" / "k8s"

@@ -16,7 +16,7 @@ from bus.connection import Bus, connect
 from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
 from services import config
-from services.cli import _actor_settings, build_parser
+from services.commands import _actor_settings, build_parser
 from services.config import ActorSettings
 from services.runtime import _banner, start_actors, stop_actors
 from services.workers import worker_command

@@ -1,4 +1,4 @@
-"""The `toolbus` command."""
+"""The `toolbus` command's parser and subcommands (entered through `services.cli`)."""
 
 from __future__ import annotations
 
@@ -894,6 +894,3 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
     print(f"toolbus: {answer.get('error')}", file=sys.stderr)
     return EXIT_CALL_FAILED
 
-
-if __name__ == "__main__":
-    sys.exit(main())
