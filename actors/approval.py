@@ -42,6 +42,7 @@ from bus.subjects import (
     approval_decision_filter,
     type_filter,
 )
+from bus.tasks import stop_task
 from schemas.defaults import ACK_WAIT_S
 from schemas.errors import ConcurrencyError, InvalidIdError, RpcError
 from schemas.events import (
@@ -274,10 +275,7 @@ class ApprovalActor:
         self._sweeper = asyncio.create_task(self._sweep(), name="approval-timeouts")
 
     async def stop(self, grace: float = 5.0) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        await stop_task(self._sweeper)
         await self._rpc.stop()
         await self._kernel.stop(grace)
         self._unwatch()

@@ -42,6 +42,7 @@ from bus.consumer import Delivery
 from bus.eventlog import Append, decode_stored
 from bus.streams import ConsumerSpec
 from bus.subjects import EVENTS_STREAM, dispatch_filter
+from bus.tasks import stop_task
 from schemas.defaults import (
     EXECUTOR_ACK_WAIT_S,
     EXECUTORS_TTL_S,
@@ -201,10 +202,7 @@ class Executor:
         self._heartbeat = asyncio.create_task(self._keep_announcing(), name="executor-announce")
 
     async def stop(self, grace: float = 10.0) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+        await stop_task(self._heartbeat)
         await self._kernel.stop(grace)
         # Only now: while it drains, the instance still runs the calls it holds.
         with contextlib.suppress(Exception):  # best effort: the entry expires anyway

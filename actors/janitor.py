@@ -18,7 +18,6 @@ Retry rule: a sweep that fails (a NATS outage) is retried at the next interval.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from bus.catalog import Catalog
 from bus.connection import Bus
 from bus.eventlog import Append, EventLog
 from bus.streams import Backlog, executor_backlogs
+from bus.tasks import stop_task
 from schemas.defaults import DECIDE_ATTEMPTS
 from schemas.errors import ConcurrencyError
 from schemas.events import CallDispatched, CallFailed
@@ -92,16 +92,8 @@ class Janitor:
 
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
-        task = self._task
-        if task is None:
-            return
-        # Cancelled again until it ends: a cancellation that lands inside a NATS request
-        # can be lost (Python 3.11's wait_for), and the sweep would then go on forever.
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=1.0)
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            task.result()
+        # Cancelled again until it ends (see bus.tasks): the sweep would go on forever.
+        await stop_task(self._task)
 
     async def _run(self) -> None:
         while not self._stopping:

@@ -77,6 +77,7 @@ from bus.eventlog import Append, decode_stored
 from bus.partitions import PartitionOwner, member_name
 from bus.streams import ConsumerSpec, delete_consumers
 from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type_filter
+from bus.tasks import stop_task
 from schemas.defaults import DECIDE_ATTEMPTS, PARTITION_ACK_WAIT_S, SESSION_CACHE_SIZE
 from schemas.errors import ConcurrencyError, ModelError
 from schemas.events import (
@@ -1280,9 +1281,7 @@ class Planner:
                         await ask.publish("", reset=True)
             raise AssertionError("unreachable")
         finally:
-            keep_alive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keep_alive
+            await stop_task(keep_alive)
 
     async def _finish(self, entry: Entry, ask: _Ask, reply: ModelResponse | ModelError | None,
                       delivery: Delivery) -> list[_Started]:

@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from bus.connection import Bus
 from bus.direct import direct_batch
 from bus.subjects import CATALOG_BUCKET, EXECUTORS_BUCKET
+from bus.tasks import stop_task
 from schemas.errors import ToolConflictError
 from schemas.ids import catalog_key
 from schemas.tools import ExecutorInfo, ToolSpec, decode_spec, encode_spec
@@ -60,10 +61,7 @@ class WatchedBucket(Generic[T]):
             await self._ready.wait()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
 
     async def wait_until(self, predicate: Callable[[dict[str, T]], bool],
                          timeout: float) -> None:

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from bus.connection import Bus
 from bus.headers import Header, Status
 from bus.streams import ConsumerSpec, ensure_consumer
+from bus.tasks import stop_task
 
 log = logging.getLogger("toolbus.bus")
 
@@ -110,10 +111,7 @@ class PullLoop:
         self._wake.set()
         if self._runner is not None:
             await self._runner
-        if self._keeper is not None:
-            self._keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keeper
+        await stop_task(self._keeper)
         if self._tasks:
             _, late = await asyncio.wait(set(self._tasks), timeout=grace)
             for task in late:

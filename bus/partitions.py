@@ -34,6 +34,7 @@ from nats.js.kv import KeyValue
 
 from bus.connection import Bus
 from bus.subjects import LEASES_BUCKET
+from bus.tasks import stop_task
 from schemas.defaults import LEASE_RENEW_S
 
 log = logging.getLogger("toolbus.partitions")
@@ -78,10 +79,7 @@ class PartitionOwner:
     async def stop(self) -> None:
         """Stop consuming every partition held, then give the leases back at once, so
         another member takes them without waiting for them to expire."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         held = dict(self.owned)
         self.owned.clear()
         for part in sorted(held):

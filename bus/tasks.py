@@ -1,0 +1,48 @@
+"""Stopping background tasks for certain.
+
+On Python 3.11 a cancellation can be lost: `asyncio.wait_for` (under every nats-py request,
+so under each KV put, JetStream publish and API call) returns the result instead of raising
+when the awaited reply lands in the same loop iteration as the cancel. A loop that then goes
+round again never ends, and a `task.cancel(); await task` waits for it forever (a stop that
+hung a test's teardown in CI). Cancelling again until the task is done closes that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+log = logging.getLogger("toolbus.bus")
+
+
+async def stop_task(task: asyncio.Task[Any] | None, *, wait_s: float = 1.0,
+                    attempts: int = 10) -> bool:
+    """Cancel `task` and wait for it to end, cancelling again after each `wait_s` while it
+    still runs; bounded by `attempts`. True if it ended. Its exception, if any, is dropped
+    (logged): the caller is stopping it. A cancellation of the caller is never swallowed."""
+    if task is None:
+        return True
+    for _ in range(attempts):
+        if task.done():
+            break
+        task.cancel()
+        await asyncio.wait({task}, timeout=wait_s)
+    if not task.done():
+        log.warning("task %s did not stop after %d cancellations", task.get_name(), attempts)
+        return False
+    with contextlib.suppress(asyncio.CancelledError):
+        exc = task.exception()
+        if exc is not None:
+            log.warning("task %s failed while stopping: %s: %s", task.get_name(),
+                        type(exc).__name__, exc)
+    return True
+
+
+async def stop_tasks(tasks: Any, *, wait_s: float = 1.0) -> None:
+    """`stop_task` for each of `tasks` at once."""
+    await asyncio.gather(*(stop_task(t, wait_s=wait_s) for t in list(tasks)))
+
+
+__all__ = ["stop_task", "stop_tasks"]
