@@ -412,6 +412,26 @@ class SessionStates:
             self._fold(entry, stored.seq, stored.event)
         return entry
 
+    def assume_new(self, sid: str) -> Entry | None:
+        """An empty entry for a session this process knows nothing of (not in memory, not
+        being loaded), not read from the bus, or None. Its first write, checked against
+        "no event of the session yet", proves it new: one round trip less for a new
+        session. On a conflict the session has a past: load it with `entry` instead.
+        Keep it with `adopt` once written. Single server only (see `_copy_of_peer`)."""
+        if sid in self._cache or sid in self._loading or self._log.replicated:
+            return None
+        entry = Entry(SessionState(session_id=sid))
+        entry.caught_up.set()
+        return entry
+
+    def adopt(self, entry: Entry) -> None:
+        """Keep an entry from `assume_new` once written, unless another handler loaded the
+        session meanwhile (that one catches up with the write through the consumer)."""
+        sid = entry.state.session_id
+        if sid not in self._cache and sid not in self._loading:
+            self._cache[sid] = entry
+            self._evict()
+
     def _copy_of_peer(self, sid: str, at_least: int) -> Entry | None:
         """The peer's state of the session, copied, if it holds `at_least`. Single server
         only: there the peer's state is the session's log up to its last sequence, folded

@@ -651,7 +651,10 @@ class SessionActor:
         except InvalidRequestError as exc:
             raise PoisonError(exc.reason, exc.message) from exc
         request_id = request.request_id or f"{AUTO_REQUEST_PREFIX}{delivery.stream_seq}"
-        entry = await self._states.entry(sid)
+        # A session not in memory is taken as new, and its first write proves it (or
+        # conflicts, and the session is loaded): most requests of a new session.
+        provisional = self._states.assume_new(sid)
+        entry = provisional or await self._states.entry(sid)
         approver = self._approval.decide_inline if self._approval else None
 
         def decide_this(state: SessionState) -> list[Append]:
@@ -670,8 +673,14 @@ class SessionActor:
                 try:
                     await self._states.write(entry, items)
                 except ConcurrencyError:
-                    await self._states.reread(entry)
+                    if entry is provisional:  # the session has a past after all
+                        provisional = None
+                        entry = await self._states.entry(sid)
+                    else:
+                        await self._states.reread(entry)
                     continue
+                if entry is provisional:
+                    self._states.adopt(entry)
                 if self._approval is not None:
                     self._approval.stored_inline([
                         (sid, i.event.call_id) for i in items

@@ -209,3 +209,37 @@ async def test_a_decision_cut_short_after_its_approval_is_still_dispatched(
     (done,) = [e for e in events if isinstance(e, TurnCompleted)]
     (ran,) = [e for e in events if isinstance(e, CallSucceeded)]
     assert done.ok and ran.call_id == "cut1-0" and ran.result == {"n": 7}
+
+
+async def test_a_session_with_a_past_not_in_memory_is_read_before_its_request_is_decided(
+    bus: Bus, client: ToolbusClient, system: dict[str, Any], sid: str, tmp_path
+) -> None:
+    """A session the actor does not hold is first taken as new (its first write is checked
+    against "no event yet"); one with a past conflicts, is read, and is decided on whole:
+    the same request id is still a duplicate, and its side effect runs once."""
+    target = tmp_path / "side-effect.txt"
+    calls = [{"tool": "testing:append_line", "arguments": {"path": str(target), "line": "x"}}]
+    first = await client.call(sid, calls, request_id="order-9", timeout=10)
+    assert isinstance(first, TurnCompleted) and first.ok
+    states = system["session"].states
+    await _evicted(states, sid)  # as after a restart, or evicted from memory
+    body = msgspec.json.encode({"request_id": "order-9", "calls": calls})
+    await _publish_raw(bus, request_subject(sid), body)
+    dup = await _rejection(bus, sid)
+    assert dup.reason == "duplicate_request" and "order-9" in dup.message
+    assert target.read_text() == "x\n"
+    await _evicted(states, sid)
+    second = await client.call(sid, calls, request_id="order-10", timeout=10)
+    assert isinstance(second, TurnCompleted) and second.ok
+    state = await settled_state(bus, client, sid)
+    assert len(state.turns) == 2 and target.read_text() == "x\nx\n"
+
+
+async def _evicted(states: Any, sid: str) -> None:
+    """Drop the session from the actor's memory, once no handler is deciding on it."""
+    import asyncio
+
+    async with asyncio.timeout(5):
+        while states.peek(sid) is not None:
+            states.forget(lambda s: s != sid)
+            await asyncio.sleep(0.01)
