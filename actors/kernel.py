@@ -66,6 +66,8 @@ from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
 from schemas.state import SessionState, decode_state, encode_state, evolve
 
 log = logging.getLogger("toolbus.kernel")
+# How long a copy of the peer's state waits for the peer's write of a new session.
+_PEER_WAIT_S = 0.5
 # Folded sequences each session remembers, to notice one delivered after a read skipped it.
 _RECENT_SEQS = 256
 
@@ -359,6 +361,8 @@ class SessionStates:
         # sessions (the session actor's): a session cold here is copied from there when
         # that already holds the event being handled, instead of read from the bus.
         self.peer: SessionStates | None = None
+        # Sessions taken as new (`assume_new`) whose first write is on its way.
+        self._new: dict[str, asyncio.Future[None]] = {}
         _STATES_OF_LOG.setdefault(log, weakref.WeakSet()).add(self)
 
     async def entry(self, sid: str, *, at_least: int = 0) -> Entry:
@@ -374,7 +378,7 @@ class SessionStates:
         fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self._loading[sid] = fut
         try:
-            entry = self._copy_of_peer(sid, at_least) or await self._load(sid)
+            entry = await self._copy_of_peer(sid, at_least) or await self._load(sid)
             await self._complete(entry)
             entry.caught_up.set()
             self._cache[sid] = entry
@@ -416,12 +420,14 @@ class SessionStates:
         """An empty entry for a session this process knows nothing of (not in memory, not
         being loaded), not read from the bus, or None. Its first write, checked against
         "no event of the session yet", proves it new: one round trip less for a new
-        session. On a conflict the session has a past: load it with `entry` instead.
-        Keep it with `adopt` once written. Single server only (see `_copy_of_peer`)."""
-        if sid in self._cache or sid in self._loading or self._log.replicated:
+        session. Then `adopt` it; on a conflict (the session has a past) `abandon` it and
+        load the session with `entry`. Single server only (see `_copy_of_peer`)."""
+        if sid in self._cache or sid in self._loading or sid in self._new or \
+                self._log.replicated:
             return None
         entry = Entry(SessionState(session_id=sid))
         entry.caught_up.set()
+        self._new[sid] = asyncio.get_running_loop().create_future()
         return entry
 
     def adopt(self, entry: Entry) -> None:
@@ -431,15 +437,31 @@ class SessionStates:
         if sid not in self._cache and sid not in self._loading:
             self._cache[sid] = entry
             self._evict()
+        self.abandon(entry)
 
-    def _copy_of_peer(self, sid: str, at_least: int) -> Entry | None:
+    def abandon(self, entry: Entry) -> None:
+        """Done with an entry from `assume_new` (adopted or not): whoever waits for it
+        goes on."""
+        waiting = self._new.pop(entry.state.session_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+
+    async def _copy_of_peer(self, sid: str, at_least: int) -> Entry | None:
         """The peer's state of the session, copied, if it holds `at_least`. Single server
         only: there the peer's state is the session's log up to its last sequence, folded
-        in order (on a cluster a read may have gone past an event still to come)."""
+        in order (on a cluster a read may have gone past an event still to come). A new
+        session whose first write the peer is still finishing (the event being handled
+        may be delivered here before the peer has its acknowledgement) is waited for:
+        sooner than a read of the bus."""
         peer = self.peer
         if peer is None or at_least <= 0 or self._log.replicated:
             return None
         found = peer.peek(sid)
+        waiting = peer._new.get(sid)
+        if found is None and waiting is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiting), _PEER_WAIT_S)
+            found = peer.peek(sid)
         if found is None or found.state.last_seq < at_least:
             return None
         return Entry(decode_state(encode_state(found.state)))

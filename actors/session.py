@@ -664,35 +664,41 @@ class SessionActor:
                                   default_agent=self._default_agent,
                                   accept_messages=self._accept_messages)
 
-        for _ in range(DECIDE_ATTEMPTS):
-            await self._states.catch_up(entry)
-            async with entry.lock:
-                if not entry.is_caught_up:
-                    continue
-                items = decide_this(entry.state)
-                try:
-                    await self._states.write(entry, items)
-                except ConcurrencyError:
-                    if entry is provisional:  # the session has a past after all
+        try:
+            for _ in range(DECIDE_ATTEMPTS):
+                await self._states.catch_up(entry)
+                async with entry.lock:
+                    if not entry.is_caught_up:
+                        continue
+                    items = decide_this(entry.state)
+                    try:
+                        await self._states.write(entry, items)
+                    except ConcurrencyError:
+                        if entry is provisional:  # the session has a past after all
+                            self._states.abandon(provisional)
+                            provisional = None
+                            entry = await self._states.entry(sid)
+                        else:
+                            await self._states.reread(entry)
+                        continue
+                    if entry is provisional:
+                        self._states.adopt(entry)
                         provisional = None
-                        entry = await self._states.entry(sid)
-                    else:
-                        await self._states.reread(entry)
-                    continue
-                if entry is provisional:
-                    self._states.adopt(entry)
-                if self._approval is not None:
-                    self._approval.stored_inline([
-                        (sid, i.event.call_id) for i in items
-                        if isinstance(i.event, CallApproved | CallRejected)])
-                # What the request made due at once (a turn whose calls were all
-                # rejected ends now), in case its events were folded right away.
-                await self._settle(entry)
-                break
-        else:
-            # Never silently dropped: a passing error, so the kernel redelivers it.
-            raise ConcurrencyError(subject, entry.state.last_seq,
-                                   f"request {request_id} kept conflicting")
+                    if self._approval is not None:
+                        self._approval.stored_inline([
+                            (sid, i.event.call_id) for i in items
+                            if isinstance(i.event, CallApproved | CallRejected)])
+                    # What the request made due at once (a turn whose calls were all
+                    # rejected ends now), in case its events were folded right away.
+                    await self._settle(entry)
+                    break
+            else:
+                # Never silently dropped: a passing error, so the kernel redelivers it.
+                raise ConcurrencyError(subject, entry.state.last_seq,
+                                       f"request {request_id} kept conflicting")
+        finally:
+            if provisional is not None:  # not written (an error, a cancellation)
+                self._states.abandon(provisional)
         await delivery.ack()
 
     async def _on_tool_event(self, delivery: Delivery, sid: str) -> None:

@@ -13,6 +13,7 @@ from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer
 from bus.snapshots import Snapshot, SnapshotStore
 from bus.subjects import SNAPSHOTS_BUCKET
+from schemas.errors import ConcurrencyError
 from schemas.events import RequestRejected
 from schemas.state import STATE_VERSION, SessionState, encode_state, fold
 
@@ -221,3 +222,57 @@ async def test_a_cold_session_is_copied_from_the_peer_when_it_holds_the_event(
         assert held.state.last_seq == last  # the peer's own state is left alone
     finally:
         log.read_head, log.read_session = real_head, real_read  # type: ignore[method-assign]
+
+
+async def test_a_new_session_the_peer_is_writing_is_waited_for_not_read(
+        bus: Bus, sid: str) -> None:
+    # The session actor takes a session it does not hold as new and writes its first
+    # event checked against "none yet"; the planner, handed that event before the session
+    # actor has its acknowledgement, waits for the write instead of reading the bus.
+    log = EventLog(bus)
+    peer = SessionStates(bus, log)
+    new = peer.assume_new(sid)
+    assert new is not None and new.state.last_seq == 0
+    assert peer.assume_new(sid) is None  # one first write at a time
+    reads: list[str] = []
+    real_head = log.read_head
+
+    async def head(session_id: str):  # type: ignore[no-untyped-def]
+        reads.append("head")
+        return await real_head(session_id)
+
+    log.read_head = head  # type: ignore[method-assign]
+    try:
+        borrower = SessionStates(bus, log)
+        borrower.peer = peer
+        waiting = asyncio.create_task(borrower.entry(sid, at_least=1))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        async with new.lock:
+            await peer.write(new, [Append(RequestRejected(
+                session_id=sid, at=0.0, actor="test", reason="test", message="first"),
+                f"{sid}:test:first")])
+        peer.adopt(new)
+        copied = await asyncio.wait_for(waiting, 5)
+        assert reads == [] and copied.state.last_seq == new.state.last_seq >= 1
+        assert encode_state(copied.state) == await _folded(log, sid)
+        assert peer.peek(sid) is new
+
+        # A session with a past: the checked write conflicts, nothing is stored, and the
+        # entry is abandoned (whoever waited reads the bus).
+        again = SessionStates(bus, log)
+        stale = again.assume_new(sid)
+        assert stale is not None
+        try:
+            async with stale.lock:
+                await again.write(stale, [Append(RequestRejected(
+                    session_id=sid, at=0.0, actor="test", reason="test", message="again"),
+                    f"{sid}:test:again")])
+        except ConcurrencyError:
+            again.abandon(stale)
+        else:
+            raise AssertionError("a write checked against 'no event yet' was stored")
+        assert again.peek(sid) is None and again.assume_new(sid) is not None
+        assert len(await log.read_session(sid)) == 1
+    finally:
+        log.read_head = real_head  # type: ignore[method-assign]
