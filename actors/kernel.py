@@ -66,7 +66,8 @@ from schemas.ids import SYSTEM_SESSION, is_token, message_rejected_id
 from schemas.state import SessionState, decode_state, encode_state, evolve
 
 log = logging.getLogger("toolbus.kernel")
-# How long a copy of the peer's state waits for the peer's write of a new session.
+# How long a reader waits for the first write of a session taken as new (its own
+# process's, or the peer's), before it reads the session from the bus instead.
 _PEER_WAIT_S = 0.5
 # Folded sequences each session remembers, to notice one delivered after a read skipped it.
 _RECENT_SEQS = 256
@@ -372,6 +373,16 @@ class SessionStates:
         if entry is not None:
             self._cache.move_to_end(sid)
             return entry
+        writing = self._new.get(sid)
+        if writing is not None:
+            # Its first write, taken as new (`assume_new`), is on its way: the event
+            # being handled may be that very write, delivered before its acknowledgement.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(writing), _PEER_WAIT_S)
+            entry = self._cache.get(sid)
+            if entry is not None:
+                self._cache.move_to_end(sid)
+                return entry
         loading = self._loading.get(sid)
         if loading is not None:
             return await asyncio.shield(loading)
