@@ -294,10 +294,10 @@ class ApprovalActor:
             storing = self._inline[key]
             done = True
             if storing is not None:
-                try:
-                    done = await asyncio.wait_for(asyncio.shield(storing), _INLINE_WAIT_S)
-                except TimeoutError:
-                    done = False
+                # Not `wait_for`: it costs two more turns of the event loop.
+                if not storing.done():
+                    await asyncio.wait({storing}, timeout=_INLINE_WAIT_S)
+                done = storing.done() and not storing.cancelled() and storing.result()
             self._inline.pop(key, None)
             if done:
                 await delivery.ack()  # decided and stored with the call, in this process

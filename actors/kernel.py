@@ -377,8 +377,7 @@ class SessionStates:
         if writing is not None:
             # Its first write, taken as new (`assume_new`), is on its way: the event
             # being handled may be that very write, delivered before its acknowledgement.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(writing), _PEER_WAIT_S)
+            await asyncio.wait({writing}, timeout=_PEER_WAIT_S)  # never cancels it
             entry = self._cache.get(sid)
             if entry is not None:
                 self._cache.move_to_end(sid)
@@ -470,8 +469,7 @@ class SessionStates:
         found = peer.peek(sid)
         waiting = peer._new.get(sid)
         if found is None and waiting is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(waiting), _PEER_WAIT_S)
+            await asyncio.wait({waiting}, timeout=_PEER_WAIT_S)
             found = peer.peek(sid)
         if found is None or found.state.last_seq < at_least:
             return None
