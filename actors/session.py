@@ -652,7 +652,7 @@ class SessionActor:
             raise PoisonError(exc.reason, exc.message) from exc
         request_id = request.request_id or f"{AUTO_REQUEST_PREFIX}{delivery.stream_seq}"
         # A session not in memory is taken as new, and its first write proves it (or
-        # conflicts, and the session is loaded): most requests of a new session.
+        # conflicts, and the session is loaded): the message that starts a conversation.
         provisional = self._states.assume_new(sid)
         entry = provisional or await self._states.entry(sid)
         approver = self._approval.decide_inline if self._approval else None
@@ -671,8 +671,20 @@ class SessionActor:
                     if not entry.is_caught_up:
                         continue
                     items = decide_this(entry.state)
+                    if entry is provisional and len(items) != 1:
+                        # Only the first event of a decision is checked: the calls stored
+                        # behind it would be stored (and run) even if the check failed.
+                        # One event or none: else the session is read first.
+                        self._states.abandon(provisional)
+                        provisional = None
+                        entry = await self._states.entry(sid)
+                        continue
                     try:
-                        await self._states.write(entry, items)
+                        results = await self._states.write(entry, items)
+                        if entry is provisional and results[0].duplicate:
+                            # Stored before (a server that answers a repeated message id
+                            # before the check): not new, whatever the check said.
+                            raise ConcurrencyError(subject, 0, "a repeated first event")
                     except ConcurrencyError:
                         if entry is provisional:  # the session has a past after all
                             self._states.abandon(provisional)

@@ -3,12 +3,14 @@ duplicate requests, and replay equal to the live state."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
 
 from bus.client import ToolbusClient
 from bus.connection import Bus
+from bus.eventlog import EventLog
 from bus.subjects import request_subject
 from schemas.events import CallSucceeded, RequestRejected, TurnCompleted, TurnFailed
 from schemas.ids import SYSTEM_SESSION
@@ -224,9 +226,23 @@ async def test_a_session_with_a_past_not_in_memory_is_read_before_its_request_is
     states = system["session"].states
     await _evicted(states, sid)  # as after a restart, or evicted from memory
     body = msgspec.json.encode({"request_id": "order-9", "calls": calls})
-    await _publish_raw(bus, request_subject(sid), body)
-    dup = await _rejection(bus, sid)
+    # Past the stream's window of message ids (as a resend ten minutes later would be),
+    # so nothing but the actor's decision keeps the calls from being stored again.
+    from bus.subjects import EVENTS_STREAM
+
+    config = (await bus.js.stream_info(EVENTS_STREAM)).config
+    window = config.duplicate_window
+    await bus.js.update_stream(_with_window(config, 0.2))
+    try:
+        await asyncio.sleep(0.3)  # the ids of the first request age out of the window
+        await _publish_raw(bus, request_subject(sid), body)
+        dup = await _rejection(bus, sid)
+    finally:
+        await bus.js.update_stream(_with_window(config, window))
     assert dup.reason == "duplicate_request" and "order-9" in dup.message
+    log = await EventLog(bus).read_session(sid)
+    kinds = [type(e.event).__name__ for e in log]
+    assert kinds.count("CallRequested") == kinds.count("CallDispatched") == 1, kinds
     assert target.read_text() == "x\n"
     await _evicted(states, sid)
     second = await client.call(sid, calls, request_id="order-10", timeout=10)
@@ -235,10 +251,14 @@ async def test_a_session_with_a_past_not_in_memory_is_read_before_its_request_is
     assert len(state.turns) == 2 and target.read_text() == "x\nx\n"
 
 
+def _with_window(config: Any, seconds: float) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(config, duplicate_window=seconds)
+
+
 async def _evicted(states: Any, sid: str) -> None:
     """Drop the session from the actor's memory, once no handler is deciding on it."""
-    import asyncio
-
     async with asyncio.timeout(5):
         while states.peek(sid) is not None:
             states.forget(lambda s: s != sid)

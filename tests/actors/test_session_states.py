@@ -246,8 +246,11 @@ async def test_a_new_session_the_peer_is_writing_is_waited_for_not_read(
         borrower = SessionStates(bus, log)
         borrower.peer = peer
         waiting = asyncio.create_task(borrower.entry(sid, at_least=1))
+        # The writer's own consumer, handed the event before the write's acknowledgement,
+        # waits for it too, and then has the written entry itself.
+        own = asyncio.create_task(peer.entry(sid))
         await asyncio.sleep(0.05)
-        assert not waiting.done()
+        assert not waiting.done() and not own.done()
         async with new.lock:
             await peer.write(new, [Append(RequestRejected(
                 session_id=sid, at=0.0, actor="test", reason="test", message="first"),
@@ -256,7 +259,7 @@ async def test_a_new_session_the_peer_is_writing_is_waited_for_not_read(
         copied = await asyncio.wait_for(waiting, 5)
         assert reads == [] and copied.state.last_seq == new.state.last_seq >= 1
         assert encode_state(copied.state) == await _folded(log, sid)
-        assert peer.peek(sid) is new
+        assert peer.peek(sid) is new and await asyncio.wait_for(own, 5) is new
 
         # A session with a past: the checked write conflicts, nothing is stored, and the
         # entry is abandoned (whoever waited reads the bus).
