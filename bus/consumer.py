@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from bus.connection import Bus
@@ -38,7 +39,13 @@ class Delivery:
 
     async def ack(self) -> None:
         # Fire-and-forget: a lost ack only means a redelivery, which every actor handles.
-        await self._msg.ack()
+        msg = self._msg
+        nc = msg._client
+        if not nc.is_connected or not msg.reply or msg._ackd:
+            await msg.ack()  # nats-py's own path, and its errors
+            return
+        _ack_later(nc, msg.reply)
+        msg._ackd = True
 
     async def nak(self, delay: float | None = None) -> None:
         await self._msg.nak(delay=delay)
@@ -56,6 +63,34 @@ class Delivery:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
+
+# Acks wait in the connection's buffer for whatever is written next (an event, a pull
+# request, another actor's publish), at most this long: a socket write each, on loopback,
+# cost both this process and the server about as much as the rest of a delivery, and
+# nothing waits on them (a lost ack is a redelivery, which every actor handles).
+_ACK_FLUSH_S = 0.002
+_ack_flush_armed: set[int] = set()
+
+
+def _ack_later(nc: Client, reply: str) -> None:
+    """Queue an ack (`+ACK`, an empty publish to the message's reply subject) on `nc`
+    without waking its flusher, and make sure something flushes it soon."""
+    cmd = b"PUB " + reply.encode() + b" 0\r\n\r\n"
+    nc._pending.append(cmd)
+    nc._pending_data_size += len(cmd)
+    nc.stats["out_msgs"] += 1
+    key = id(nc)
+    if key not in _ack_flush_armed:
+        _ack_flush_armed.add(key)
+        asyncio.get_running_loop().call_later(_ACK_FLUSH_S, _flush_acks, nc)
+
+
+def _flush_acks(nc: Client) -> None:
+    _ack_flush_armed.discard(id(nc))
+    queue = nc._flush_queue
+    if nc._pending_data_size and queue is not None and queue.empty() and nc.is_connected:
+        # What `Client._flush_pending` does, without a task: the flusher writes it all.
+        queue.put_nowait(asyncio.get_running_loop().create_future())
 
 
 class PullLoop:
