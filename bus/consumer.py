@@ -12,8 +12,10 @@ import collections
 import contextlib
 import json
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -69,7 +71,7 @@ Handler = Callable[[Delivery], Awaitable[None]]
 # cost both this process and the server about as much as the rest of a delivery, and
 # nothing waits on them (a lost ack is a redelivery, which every actor handles).
 _ACK_FLUSH_S = 0.002
-_ack_flush_armed: set[int] = set()
+_ack_flush_armed: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 def _ack_later(nc: Client, reply: str) -> None:
@@ -79,18 +81,28 @@ def _ack_later(nc: Client, reply: str) -> None:
     nc._pending.append(cmd)
     nc._pending_data_size += len(cmd)
     nc.stats["out_msgs"] += 1
-    key = id(nc)
-    if key not in _ack_flush_armed:
-        _ack_flush_armed.add(key)
+    if nc not in _ack_flush_armed:
+        _ack_flush_armed.add(nc)
         asyncio.get_running_loop().call_later(_ACK_FLUSH_S, _flush_acks, nc)
 
 
 def _flush_acks(nc: Client) -> None:
-    _ack_flush_armed.discard(id(nc))
+    _ack_flush_armed.discard(nc)
     queue = nc._flush_queue
-    if nc._pending_data_size and queue is not None and queue.empty() and nc.is_connected:
+    if not nc._pending_data_size or queue is None or not queue.empty() or \
+            not nc.is_connected:
+        return
+    flusher = nc._flusher_task
+    if flusher is not None and not flusher.done():
         # What `Client._flush_pending` does, without a task: the flusher writes it all.
         queue.put_nowait(asyncio.get_running_loop().create_future())
+    else:  # nats-py's own path, which writes inline when its flusher has ended
+        task = asyncio.get_running_loop().create_task(nc._flush_pending())
+        _flushing.add(task)
+        task.add_done_callback(_flushing.discard)
+
+
+_flushing: set[asyncio.Task[Any]] = set()
 
 
 class PullLoop:
