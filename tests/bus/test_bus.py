@@ -98,3 +98,41 @@ def test_ack_metadata_is_read_from_both_reply_subject_forms() -> None:
     for m in (old, new):  # the same as nats-py's own parse
         md = m.metadata
         assert ack_metadata(m)[:2] == (md.sequence.stream, md.num_delivered)
+
+
+async def test_acks_left_for_the_next_write_reach_the_server_on_their_own(
+        bus: Bus, sid: str, nats_url: str) -> None:
+    # A delivery's ack waits in the connection's buffer for whatever is written next; with
+    # nothing else written, it still goes out within a few milliseconds, and the server
+    # counts every message acknowledged (none is delivered again).
+    from bus.consumer import Delivery, PullLoop
+    from bus.streams import ConsumerSpec
+
+    stream = f"TACK_{sid.replace('-', '_')}"
+    await bus.js.add_stream(name=stream, subjects=[f"tack.{sid}.>"])
+    handled: list[int] = []
+
+    async def handler(delivery: Delivery) -> None:
+        handled.append(delivery.num_delivered)
+        await delivery.ack()
+
+    # Its own connection: nothing but the pull requests and the acks is written on it.
+    own = await connect(nats_url, name="acker")
+    loop = PullLoop(own, ConsumerSpec(stream, "acker", (f"tack.{sid}.>",), ack_wait_s=1.0),
+                    handler)
+    await loop.start()
+    try:
+        for i in range(5):
+            await bus.js.publish(f"tack.{sid}.{i}", b"x")
+        async with asyncio.timeout(5):
+            while True:
+                info = await bus.js.consumer_info(stream, "acker")
+                if info.num_ack_pending == 0 and info.num_pending == 0 and len(handled) == 5:
+                    break
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(1.5)  # past the ack wait: nothing is delivered again
+        assert handled == [1] * 5
+    finally:
+        await loop.stop()
+        await own.close()
+        await bus.js.delete_stream(stream)
