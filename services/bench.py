@@ -169,6 +169,52 @@ def _machine() -> dict[str, Any]:
             "cpus_usable": usable}
 
 
+# The processes of a benchmark, by what they are (their command line), for `_cpu_seconds`.
+_PROCESS_KINDS = (("nats-server", "nats-server"), ("services.cli up", "toolbus up"),
+                  (" actor worker", "toolbus workers"),
+                  ("services.sample_llm", "model server"),
+                  ("services.sample_mcp", "MCP server"))
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system, s) used so far by this process ("this client") and by its
+    descendants, by kind; empty where /proc is not there to read."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    procs: dict[int, tuple[int, str, float]] = {}  # pid -> (parent, command, cpu s)
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not readable
+        procs[pid] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / tick)
+    me = os.getpid()
+    out: dict[str, float] = {}
+    for pid, (_, command, cpu) in procs.items():
+        ancestor, hops = pid, 0
+        while ancestor not in (me, 0, 1) and ancestor in procs and hops < 16:
+            ancestor, hops = procs[ancestor][0], hops + 1
+        if ancestor != me:
+            continue
+        kind = "this client" if pid == me else next(
+            (k for pattern, k in _PROCESS_KINDS if pattern in command), "other")
+        out[kind] = out.get(kind, 0.0) + cpu
+    return out
+
+
+def _cpu_per_op(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """CPU ms per operation of each kind of process between two `_cpu_seconds`."""
+    per = {k: round((after[k] - before.get(k, 0.0)) * 1000 / n, 2) for k in after}
+    return {**{k: v for k, v in sorted(per.items()) if v > 0}, "all": round(sum(
+        v for v in per.values() if v > 0), 2)}
+
+
 def _header(what: str, machine: dict[str, Any], settings: str) -> str:
     one, five, fifteen = machine["loadavg"]
     cpus = f"{machine['cpus']} CPUs"
@@ -635,8 +681,10 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         floors = await _floors(bus, responder, n=n, concurrency=None)
         d_fresh = await measure("direct httpx, 2 model round trips", direct(first), n=n,
                                 concurrency=1)
+        cpu_before = _cpu_seconds()
         fresh = await measure("toolbus turn, fresh sessions",
                               turn_in(lambda i: f"agent-{run}-f{i}"), n=n, concurrency=1)
+        cpu = _cpu_per_op(cpu_before, _cpu_seconds(), n)
         lat = await _series(turn_in(lambda i: f"agent-{run}-long"), turns)
         last = await last_turn_bodies()
         d_late = await measure(f"direct httpx, bodies of turn {turns}", direct(last), n=n,
@@ -665,6 +713,9 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         "late_overhead_p50_ms": round(late.p50_ms - d_late.p50_ms, 3),
         "late_turns_p50_vs_early": round(flat, 2),
         "growth_ms_per_100_turns": round(_growth_ms_per_100(lat), 3),
+        # CPU ms per fresh-session turn of each process (this client, the embedded
+        # nats-server, `toolbus up`, its workers, the model server); empty without /proc.
+        "cpu_per_turn_ms": cpu,
         "goal": {"overhead_p50_ms": AGENT_GOAL_OVERHEAD_MS,
                  "overhead_met": overhead <= AGENT_GOAL_OVERHEAD_MS,
                  "flat_within": AGENT_GOAL_FLAT,
@@ -689,6 +740,12 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"{report['early_overhead_p50_ms']} ms early, {report['late_overhead_p50_ms']} ms "
           f"late (beside the direct round trips with the same history); a turn costs "
           f"{report['growth_ms_per_100_turns']} ms more per 100 turns of history (slope).")
+    if cpu:
+        spread = cpu["all"] / max(machine["cpus_usable"], 1)
+        print("CPU per fresh-session turn: " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in cpu.items() if k != "all") +
+            f"; {cpu['all']:.2f} ms in all, so at least {spread:.2f} ms per turn on "
+            f"{machine['cpus_usable']} CPUs even if perfectly spread")
     print(f"goals: overhead p50 <= {AGENT_GOAL_OVERHEAD_MS:g} ms "
           f"({'met' if goal['overhead_met'] else 'MISSED'}), late turns at most "
           f"{AGENT_GOAL_FLAT:.0%} slower than early ({'met' if goal['flat_met'] else 'MISSED'}); "

@@ -146,6 +146,11 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
                            "late_turns_p50_vs_early", "growth_ms_per_100_turns", "goal"}
     assert set(report["goal"]) == {"overhead_p50_ms", "overhead_met", "flat_within",
                                    "flat_met"}
+    # Every process the benchmark started spent CPU on the turns, and the total adds up.
+    cpu = report["cpu_per_turn_ms"]
+    assert {"this client", "nats-server", "toolbus up", "model server"} <= set(cpu), cpu
+    parts = sum(v for k, v in cpu.items() if k != "all")
+    assert cpu["all"] > 0 and abs(cpu["all"] - parts) < 0.05, cpu
 
 
 
