@@ -742,10 +742,12 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"{report['growth_ms_per_100_turns']} ms more per 100 turns of history (slope).")
     if cpu:
         spread = cpu["all"] / max(machine["cpus_usable"], 1)
+        tick = 1000 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         print("CPU per fresh-session turn: " + ", ".join(
             f"{k} {v:.2f} ms" for k, v in cpu.items() if k != "all") +
             f"; {cpu['all']:.2f} ms in all, so at least {spread:.2f} ms per turn on "
-            f"{machine['cpus_usable']} CPUs even if perfectly spread")
+            f"{machine['cpus_usable']} CPUs even if perfectly spread (/proc counts in "
+            f"{tick:g} ms ticks: each figure +-{tick / n:.2g} ms at n {n})")
     print(f"goals: overhead p50 <= {AGENT_GOAL_OVERHEAD_MS:g} ms "
           f"({'met' if goal['overhead_met'] else 'MISSED'}), late turns at most "
           f"{AGENT_GOAL_FLAT:.0%} slower than early ({'met' if goal['flat_met'] else 'MISSED'}); "

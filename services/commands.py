@@ -334,6 +334,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             with contextlib.suppress(OSError):  # `| head`: stop quietly
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
+    if args.command == "bench" and args.what not in ("calls", "replay"):
+        # These start their own nats-server and `toolbus up` (with their own manifest):
+        # a flag they would ignore is refused, not silently dropped.
+        given = [f for f, on in (("--nats", args.nats is not None),
+                                 ("--session-actors", args.session_actors != 1)) if on]
+        if given:
+            print(f"toolbus bench {args.what}: not used here: {', '.join(given)} (this "
+                  "benchmark starts its own server and toolbus; --nats is for `bench calls` "
+                  "and `bench replay`, --session-actors for `bench calls`)", file=sys.stderr)
+            return EXIT_USAGE
     try:
         # `up` runs its own server unless told of one (`--nats` or $NATS_URL).
         external = getattr(args, "nats", None) or os.environ.get("NATS_URL")

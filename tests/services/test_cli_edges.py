@@ -31,6 +31,10 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("call", "built-in:echo", "--timeout", "soon"), "argument --timeout: invalid float"),
     (("replay", "s", "--until", "0"), "argument --until: 0 is not a positive"),
     (("bench", "calls", "--n", "0"), "argument --n: 0 is not a positive"),
+    (("bench", "agent", "--nats", "nats://127.0.0.1:4222"),
+     "bench agent: not used here: --nats"),
+    (("bench", "mcp", "--session-actors", "2"),
+     "bench mcp: not used here: --session-actors"),
     (("state", "no.dots"), "invalid session id 'no.dots'"),
     (("tools", "show"), "tools show needs a NAME"),
 ])
