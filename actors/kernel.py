@@ -536,7 +536,10 @@ class SessionStates:
         entry.recent.append(seq)
         entry.folded_since_snapshot += 1
         every = self._snapshot_every
-        if every is not None and entry.folded_since_snapshot >= every:
+        # Further apart as the session grows (an eighth of its events): a snapshot encodes
+        # the whole state, so a fixed interval would cost each event more and more.
+        if every is not None and entry.folded_since_snapshot >= max(
+                every, state.event_count >> 3):
             entry.folded_since_snapshot = 0
             self._save_snapshot(state)
 

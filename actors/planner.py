@@ -67,7 +67,7 @@ from actors import compress
 from actors.composed import composed_prompt, composed_schema, flatten, read_composed
 from actors.compressor import Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
-from actors.llm import complete
+from actors.llm import WireMemo, complete
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
 from actors.session import InlineApproval, InlineApprover, due_in_turn
 from bus.catalog import Catalog
@@ -817,6 +817,7 @@ class _Rendered:
     agent: str | None
     upto: int  # everything stored before this sequence is in `messages`, and final
     messages: list[Message]
+    wire: WireMemo = field(default_factory=WireMemo)  # their wire forms, as sent
 
 
 class HistoryCache:
@@ -854,12 +855,19 @@ class HistoryCache:
         if kept is not existing and existing is not None and existing.agent == turn.agent:
             return out  # an older turn's view: the one kept goes further
         kept.messages += final
+        kept.wire.keep(final)
         kept.upto = upto
         self._entries[sid] = kept
         self._entries.move_to_end(sid)
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
         return out
+
+    def wire(self, sid: str) -> WireMemo | None:
+        """The wire forms of the history `before` last gave for `sid`, to pass to
+        `complete` with it (only its kept messages are in it: any other is converted)."""
+        kept = self._entries.get(sid)
+        return kept.wire if kept is not None else None
 
 
 _encode = msgspec.json.Encoder().encode
@@ -943,6 +951,7 @@ class _Ask:
     publish: _Deltas | None = None
     base: int = 0
     failure: str | None = None  # the turn cannot go on: why
+    wire: WireMemo | None = None  # the session's history as sent before
 
 
 _Started = tuple[_Ask, "asyncio.Task[ModelResponse | ModelError | None]"]
@@ -1255,7 +1264,7 @@ class Planner:
         base = max(len(turn.call_ids), sum(len(s.tool_calls) for s in turn.steps))
         return _Ask(asked, turn, rules, settings, system=system, messages=messages,
                     tools=tools, schema=schema, validator=validator, publish=publish,
-                    base=base)
+                    base=base, wire=self._history.wire(sid))
 
     async def _call(self, ask: _Ask, delivery: Delivery) -> ModelResponse | ModelError | None:
         """The model's reply to `ask`, or the `ModelError` that ended it (returned); None
@@ -1269,7 +1278,7 @@ class Planner:
                     return await complete(ask.settings, system=ask.system,
                                           messages=ask.messages, tools=ask.tools,
                                           response_schema=ask.schema, on_delta=ask.publish,
-                                          client=self._http)
+                                          client=self._http, memo=ask.wire)
                 except ModelError as exc:
                     if not exc.partial or attempt == _WHOLE_CALL_ATTEMPTS:
                         return exc
@@ -1338,9 +1347,7 @@ class Planner:
             if any(isinstance(i.event, CallRequested) for i in follow):
                 # Stored behind the answer, which alone is checked: should a cancellation
                 # (`trigger_processing`) be stored first, none of these calls may be.
-                last = max((t.ended_seq or 0 for t in state.turns.values()
-                            if t.status == "cancelled"), default=0)
-                follow = [dataclasses.replace(i, unless_cancelled_after=last)
+                follow = [dataclasses.replace(i, unless_cancelled_after=state.last_cancelled_seq)
                           for i in follow]
             asks = self._asks(after, follow)
         try:

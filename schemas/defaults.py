@@ -44,7 +44,8 @@ MAX_DELIVERIES: Final = 5
 # in-progress acks at a third of it, so a dead executor is noticed within it.
 ACK_WAIT_S: Final = 3.0
 EXECUTOR_ACK_WAIT_S: Final = 3.0
-# Events folded per session between two snapshots in `toolbus_snapshots`.
+# Events folded per session between two snapshots in `toolbus_snapshots` (or an eighth of
+# the session's events, when that is more).
 SNAPSHOT_EVERY: Final = 500
 SESSION_CACHE_SIZE: Final = 10_000
 DECIDE_ATTEMPTS: Final = 8

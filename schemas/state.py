@@ -206,6 +206,8 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
     turns: dict[str, TurnState] = msgspec.field(default_factory=dict)
     calls: dict[str, CallState] = msgspec.field(default_factory=dict)
     open_turns: list[str] = msgspec.field(default_factory=list)
+    # Where the newest `turn.cancelled` that ended a turn is stored (0: none yet).
+    last_cancelled_seq: int = 0
     rejected_requests: int = 0
     # The session's state object: results of calls made with `_outputPath` land here.
     data: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -220,7 +222,7 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 
 # Bumped whenever the shape of `SessionState` changes, so that older snapshots are
 # ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 7
+STATE_VERSION = 8
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -395,6 +397,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 turn.status = "cancelled"
                 turn.finished_at = event.at
                 turn.ended_seq = seq
+                state.last_cancelled_seq = seq
                 if event.turn_id in state.open_turns:
                     state.open_turns.remove(event.turn_id)
         case ResultCompressed():

@@ -20,6 +20,7 @@ import httpx
 import msgspec
 
 from actors.llm import anthropic, gemini, openai_chat, openai_responses
+from actors.llm.convert import WireMemo
 from actors.llm.retry import with_retries
 from actors.llm.transport import OnDelta, send
 from actors.llm.types import (
@@ -45,16 +46,18 @@ async def complete(settings: ModelSettings, *, system: str | None, messages: lis
                    tools: Sequence[ToolSpec], tool_choice: ToolChoice = "auto",
                    response_schema: dict[str, Any] | None = None,
                    on_delta: OnDelta | None = None,
-                   client: httpx.AsyncClient | None = None) -> ModelResponse:
+                   client: httpx.AsyncClient | None = None,
+                   memo: WireMemo | None = None) -> ModelResponse:
     """One model call: the reply, or a `ModelError`. Streams when `on_delta` is given.
-    Pass a shared `client` to reuse connections (one is made and closed otherwise)."""
+    Pass a shared `client` to reuse connections (one is made and closed otherwise), and
+    the session's `memo` to reuse the wire form of its history (see `WireMemo`)."""
     builder = BUILDERS.get(settings.provider)
     if builder is None:
         raise ConfigError(f"unknown model provider {settings.provider!r}: choose from "
                           f"{', '.join(BUILDERS)}")
     request = builder(settings, system=system, messages=messages, tools=tools,
                       tool_choice=tool_choice, response_schema=response_schema,
-                      stream=on_delta is not None)
+                      stream=on_delta is not None, memo=memo)
     own = client is None
     http = client if client is not None else httpx.AsyncClient()
     try:
@@ -68,4 +71,5 @@ async def complete(settings: ModelSettings, *, system: str | None, messages: lis
     return msgspec.structs.replace(reply, extra={**reply.extra, "attempts": attempts})
 
 
-__all__ = ["Message", "ModelResponse", "ModelSettings", "ToolCall", "Usage", "complete"]
+__all__ = ["Message", "ModelResponse", "ModelSettings", "ToolCall", "Usage", "WireMemo",
+           "complete"]

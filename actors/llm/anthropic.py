@@ -23,7 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from actors.llm.convert import Names, base_url, parse_arguments, system_text
+from actors.llm.convert import (
+    Assembly,
+    Names,
+    WireMemo,
+    assembled,
+    base_url,
+    joined_system,
+    parse_arguments,
+    raw_json,
+)
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from schemas.errors import ModelError
@@ -42,13 +51,14 @@ THINKING: Final = ("thinking", "redacted_thinking")
 
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
-          stream: bool) -> WireRequest:
+          stream: bool, memo: WireMemo | None = None) -> WireRequest:
     exported, pnames = export(tools, "anthropic")
     names = Names(pnames)
+    assembly = assembled(messages, memo, PROVIDER, lambda: _Messages(names))
     body: dict[str, Any] = {"model": settings.model,
                             "max_tokens": settings.max_tokens or DEFAULT_MAX_TOKENS,
-                            "messages": _messages(messages, names)}
-    instructions = system_text(system, messages)
+                            "messages": assembly.done()}
+    instructions = joined_system(system, assembly.system)
     if instructions:
         body["system"] = instructions
     if tools:
@@ -71,42 +81,80 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
         stream=(lambda: MessagesStream(names)) if stream else None)
 
 
-def _messages(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+_Wire = tuple[str, Any] | None  # ("assistant", message) or ("result" | "text", block)
 
-    def user_content() -> list[dict[str, Any]]:
-        if out and out[-1]["role"] == "user":
-            content: list[dict[str, Any]] = out[-1]["content"]
-            return content
-        fresh: list[dict[str, Any]] = []
-        out.append({"role": "user", "content": fresh})
-        return fresh
 
-    for m in messages:
+class _Messages(Assembly):
+    """Results and text go into user messages; a run of them shares one, its tool results
+    first (the API wants them right after the assistant's calls), then its text. The open
+    run is kept apart until something else ends it."""
+
+    __slots__ = ("results", "texts")
+
+    def __init__(self, names: Names) -> None:
+        super().__init__(names)
+        self.results: list[Any] | None = None
+        self.texts: list[Any] = []
+
+    def push(self, m: Message) -> None:
         if m.role == "system":
-            continue  # in `system`
-        if m.role == "assistant":
-            blocks: list[dict[str, Any]] = []
-            for c in m.tool_calls:
-                blocks.extend(c.extra.get("thinking") or [])
             if m.text:
-                blocks.append({"type": "text", "text": m.text})
-            blocks += [{"type": "tool_use", "id": c.id, "name": names.out(c.name),
-                        "input": c.arguments} for c in m.tool_calls]
-            if blocks:  # the API refuses empty text blocks; an empty turn says nothing
-                out.append({"role": "assistant", "content": blocks})
-        elif m.role == "tool":
-            block: dict[str, Any] = {"type": "tool_result", "tool_use_id": m.tool_call_id,
-                                     "is_error": m.is_error}
-            if m.text:
-                block["content"] = m.text
-            content = user_content()
-            first_other = next((i for i, b in enumerate(content)
-                                if b["type"] != "tool_result"), len(content))
-            content.insert(first_other, block)
-        elif m.text:
-            user_content().append({"type": "text", "text": m.text})
-    return out
+                self.system.append(m.text)
+            return
+        wire = _wire(m, self.names)
+        if wire is None:
+            return
+        kind, value = wire
+        if kind == "assistant":
+            self._close()
+            self.out.append(value)
+            return
+        if self.results is None:
+            self.results, self.texts = [], []
+        (self.results if kind == "result" else self.texts).append(value)
+
+    def _close(self) -> None:
+        if self.results is not None:
+            self.out.append({"role": "user", "content": self.results + self.texts})
+            self.results, self.texts = None, []
+
+    def done(self) -> list[Any]:
+        self._close()
+        return self.out
+
+    def resumed(self) -> _Messages:
+        other = super().resumed()
+        other.results = None if self.results is None else self.results[:]
+        other.texts = self.texts[:]
+        return other
+
+    def freeze(self) -> None:
+        super().freeze()
+        if self.results is not None:
+            self.results[:] = map(raw_json, self.results)
+        self.texts[:] = map(raw_json, self.texts)
+
+
+def _wire(m: Message, names: Names) -> _Wire:
+    if m.role == "assistant":
+        blocks: list[dict[str, Any]] = []
+        for c in m.tool_calls:
+            blocks.extend(c.extra.get("thinking") or [])
+        if m.text:
+            blocks.append({"type": "text", "text": m.text})
+        blocks += [{"type": "tool_use", "id": c.id, "name": names.out(c.name),
+                    "input": c.arguments} for c in m.tool_calls]
+        # The API refuses empty text blocks; an empty turn says nothing.
+        return ("assistant", {"role": "assistant", "content": blocks}) if blocks else None
+    if m.role == "tool":
+        block: dict[str, Any] = {"type": "tool_result", "tool_use_id": m.tool_call_id,
+                                 "is_error": m.is_error}
+        if m.text:
+            block["content"] = m.text
+        return "result", block
+    if m.text:
+        return "text", {"type": "text", "text": m.text}
+    return None
 
 
 def parse(data: Any, names: Names) -> ModelResponse:

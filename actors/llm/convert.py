@@ -3,15 +3,109 @@ system text, schema strictness."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Self
 
 import msgspec
 
 from actors.llm.types import Message, ToolCall
 from schemas.errors import ConfigError
 from schemas.providers import ProviderNames
+
+
+class Assembly:
+    """One API's messages, built from a conversation one message at a time: `push` each,
+    then `done`. Some APIs merge neighbours (Anthropic's and Gemini's results share one user
+    content), so the state between two messages can be more than a list: a subclass keeps
+    what may still change apart from `out`, the entries that cannot. System-role messages
+    are collected in `system`, for the APIs that take them apart."""
+
+    __slots__ = ("frozen", "names", "out", "system")
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+        self.out: list[Any] = []
+        self.system: list[str] = []
+        self.frozen = 0  # out[:frozen] are encoded
+
+    def push(self, m: Message) -> None:
+        raise NotImplementedError
+
+    def done(self) -> list[Any]:
+        return self.out
+
+    def resumed(self) -> Self:
+        """A copy to push more messages into, leaving this one as it is."""
+        other = copy.copy(self)
+        other.out = self.out[:]
+        other.system = self.system[:]
+        return other
+
+    def freeze(self) -> None:
+        """Encode the entries that cannot change any more (see `WireMemo`)."""
+        out = self.out
+        for i in range(self.frozen, len(out)):
+            out[i] = raw_json(out[i])
+        self.frozen = len(out)
+
+
+class WireMemo:
+    """The wire form of the messages of a conversation that will not change (a session's
+    ended turns), per API, converted and JSON-encoded once: each later model call of the
+    session copies their bytes into its request (as `msgspec.Raw`) and converts only the
+    messages after them, so a call does not cost more as the session grows longer.
+
+    The owner passes the messages that are final to `keep`, in order, as they become
+    final; a request whose messages start with all of them (compared as values: a
+    message's wire form depends on it alone) is built from the memo, any other in full."""
+
+    __slots__ = ("_assemblies", "_kept")
+
+    def __init__(self) -> None:
+        self._kept: list[Message] = []
+        self._assemblies: dict[str, tuple[int, Assembly]] = {}
+
+    def keep(self, messages: Iterable[Message]) -> None:
+        self._kept += messages
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def assemble(self, fmt: str, messages: Sequence[Message],
+                 start: Callable[[], Assembly]) -> Assembly:
+        """An assembly of `messages` in `fmt`, its start taken from the memo."""
+        kept = self._kept
+        k = len(kept)
+        if not k or len(messages) < k or messages[:k] != kept:
+            return assemble(messages, start())
+        done, assembly = self._assemblies.get(fmt) or (0, start())
+        if done < k:  # final since the last call: converted once, and kept converted
+            for m in kept[done:]:
+                assembly.push(m)
+            assembly.freeze()
+            self._assemblies[fmt] = (k, assembly)
+        return assemble(messages[k:], assembly.resumed())
+
+
+def assemble(messages: Iterable[Message], assembly: Assembly) -> Assembly:
+    for m in messages:
+        assembly.push(m)
+    return assembly
+
+
+def assembled(messages: Sequence[Message], memo: WireMemo | None, fmt: str,
+              start: Callable[[], Assembly]) -> Assembly:
+    """`messages` assembled for `fmt`, from `memo` when one is given."""
+    if memo is None:
+        return assemble(messages, start())
+    return memo.assemble(fmt, messages, start)
+
+
+def raw_json(value: Any) -> Any:
+    """`value` encoded now, to be copied verbatim into a request body."""
+    return value if isinstance(value, msgspec.Raw) else msgspec.Raw(msgspec.json.encode(value))
 
 
 class Names:
@@ -68,11 +162,9 @@ def result_value(text: str) -> Any:
         return text
 
 
-def system_text(system: str | None, messages: Iterable[Message]) -> str | None:
-    """The system prompt plus every system-role message, for the APIs that take one."""
-    parts = [system] if system else []
-    parts += [m.text for m in messages if m.role == "system" and m.text]
-    return "\n\n".join(parts) or None
+def joined_system(system: str | None, texts: list[str]) -> str | None:
+    """The system prompt plus the system-role messages' texts (see `Assembly.system`)."""
+    return "\n\n".join([system, *texts] if system else texts) or None
 
 
 def call_names(messages: Iterable[Message]) -> dict[str, str]:

@@ -30,13 +30,17 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from actors.llm.convert import (
+    Assembly,
     Names,
+    WireMemo,
+    assembled,
     base_url,
     call_names,
+    joined_system,
     parse_arguments,
+    raw_json,
     result_value,
     stable_id,
-    system_text,
 )
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
@@ -54,11 +58,12 @@ FILTERED: Final = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CO
 
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
-          stream: bool) -> WireRequest:
+          stream: bool, memo: WireMemo | None = None) -> WireRequest:
     exported, pnames = export(tools, "gemini")
     names = Names(pnames)
-    body: dict[str, Any] = {"contents": _contents(messages, names)}
-    instructions = system_text(system, messages)
+    assembly = assembled(messages, memo, PROVIDER, lambda: _Contents(names))
+    body: dict[str, Any] = {"contents": assembly.done()}
+    instructions = joined_system(system, assembly.system)
     if instructions:
         body["systemInstruction"] = {"parts": [{"text": instructions}]}
     if tools:
@@ -86,38 +91,81 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
         stream=(lambda: GenerateStream(names)) if stream else None)
 
 
-def _contents(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
-    by_id = call_names(messages)
-    out: list[dict[str, Any]] = []
-    for m in messages:
+_Wire = tuple[str, Any] | None  # ("model" | "user", content) or ("result", part)
+
+
+class _Contents(Assembly):
+    """A run of results shares one user content, kept apart until something else ends it;
+    anything else is a content of its own. A result without a tool name takes the name of
+    the call it answers, from the messages before it."""
+
+    __slots__ = ("by_id", "results")
+
+    def __init__(self, names: Names) -> None:
+        super().__init__(names)
+        self.results: list[Any] | None = None
+        self.by_id: dict[str, str] = {}
+
+    def push(self, m: Message) -> None:
         if m.role == "system":
-            continue  # in `systemInstruction`
-        if m.role == "assistant":
-            parts: list[dict[str, Any]] = [{"text": m.text}] if m.text else []
-            for i, c in enumerate(m.tool_calls):
-                part: dict[str, Any] = {"functionCall": {
-                    "name": names.out(c.name), "args": c.arguments, "id": c.id}}
-                signature = c.extra.get("thoughtSignature")
-                if signature or i == 0:
-                    part["thoughtSignature"] = signature or SKIP_SIGNATURE
-                parts.append(part)
-            if parts:
-                out.append({"role": "model", "parts": parts})
-        elif m.role == "tool":
-            value = result_value(m.text)
-            part = {"functionResponse": {
-                "name": names.out(m.name or by_id.get(m.tool_call_id or "", "")),
-                "id": m.tool_call_id,
-                "response": {"error": value} if m.is_error else {"output": value}}}
-            last = out[-1] if out else None
-            if last and last["role"] == "user" and all(
-                    "functionResponse" in p for p in last["parts"]):
-                last["parts"].append(part)
-            else:
-                out.append({"role": "user", "parts": [part]})
-        elif m.text:
-            out.append({"role": "user", "parts": [{"text": m.text}]})
-    return out
+            if m.text:
+                self.system.append(m.text)
+            return
+        if m.tool_calls:
+            self.by_id.update(call_names([m]))
+        wire = _wire(m, self.names, self.by_id)
+        if wire is None:
+            return
+        kind, value = wire
+        if kind == "result":
+            if self.results is None:
+                self.results = []
+            self.results.append(value)
+            return
+        self._close()
+        self.out.append(value)
+
+    def _close(self) -> None:
+        if self.results is not None:
+            self.out.append({"role": "user", "parts": self.results})
+            self.results = None
+
+    def done(self) -> list[Any]:
+        self._close()
+        return self.out
+
+    def resumed(self) -> _Contents:
+        other = super().resumed()
+        other.results = None if self.results is None else self.results[:]
+        other.by_id = dict(self.by_id)
+        return other
+
+    def freeze(self) -> None:
+        super().freeze()
+        if self.results is not None:
+            self.results[:] = map(raw_json, self.results)
+
+
+def _wire(m: Message, names: Names, by_id: dict[str, str]) -> _Wire:
+    if m.role == "assistant":
+        parts: list[dict[str, Any]] = [{"text": m.text}] if m.text else []
+        for i, c in enumerate(m.tool_calls):
+            part: dict[str, Any] = {"functionCall": {
+                "name": names.out(c.name), "args": c.arguments, "id": c.id}}
+            signature = c.extra.get("thoughtSignature")
+            if signature or i == 0:
+                part["thoughtSignature"] = signature or SKIP_SIGNATURE
+            parts.append(part)
+        return ("model", {"role": "model", "parts": parts}) if parts else None
+    if m.role == "tool":
+        value = result_value(m.text)
+        return "result", {"functionResponse": {
+            "name": names.out(m.name or by_id.get(m.tool_call_id or "", "")),
+            "id": m.tool_call_id,
+            "response": {"error": value} if m.is_error else {"output": value}}}
+    if m.text:
+        return "user", {"role": "user", "parts": [{"text": m.text}]}
+    return None
 
 
 def _finish(raw: str | None, has_calls: bool) -> str:

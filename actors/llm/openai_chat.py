@@ -17,8 +17,11 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from actors.llm.convert import (
+    Assembly,
     Names,
+    WireMemo,
     arguments_json,
+    assembled,
     base_url,
     parse_arguments,
     stable_id,
@@ -38,12 +41,12 @@ FINISH: Final = {"stop": "stop", "tool_calls": "tool_calls", "function_call": "t
 
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
-          stream: bool) -> WireRequest:
+          stream: bool, memo: WireMemo | None = None) -> WireRequest:
     exported, pnames = export(tools, "openai")
     names = Names(pnames)
     url = base_url(settings.base_url, DEFAULT_BASE_URL)
     body: dict[str, Any] = {"model": settings.model,
-                            "messages": _messages(system, messages, names)}
+                            "messages": _messages(system, messages, names, memo)}
     if tools:
         for tool in exported:
             if strict_compatible(tool["function"]["parameters"]):
@@ -74,25 +77,34 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
 
 
 def _messages(system: str | None, messages: Sequence[Message], names: Names,
-              ) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": system})
-    for m in messages:
-        if m.role == "tool":
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.text})
-        elif m.role == "assistant" and m.tool_calls:
-            turn: dict[str, Any] = {"role": "assistant"}
-            if m.text:  # optional with calls; some servers refuse an explicit null
-                turn["content"] = m.text
-            turn["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": names.out(c.name), "arguments": arguments_json(c)}}
-                for c in m.tool_calls]
-            out.append(turn)
-        else:
-            out.append({"role": m.role, "content": m.text})
+              memo: WireMemo | None = None) -> list[Any]:
+    out: list[Any] = [{"role": "system", "content": system}] if system else []
+    out += assembled(messages, memo, PROVIDER, lambda: _Chat(names)).done()
     return out
+
+
+class _Chat(Assembly):
+    """One message each, system-role ones included, in order."""
+
+    __slots__ = ()
+
+    def push(self, m: Message) -> None:
+        self.out.append(_message(m, self.names))
+
+
+def _message(m: Message, names: Names) -> dict[str, Any]:
+    if m.role == "tool":
+        return {"role": "tool", "tool_call_id": m.tool_call_id, "content": m.text}
+    if m.role == "assistant" and m.tool_calls:
+        turn: dict[str, Any] = {"role": "assistant"}
+        if m.text:  # optional with calls; some servers refuse an explicit null
+            turn["content"] = m.text
+        turn["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": names.out(c.name), "arguments": arguments_json(c)}}
+            for c in m.tool_calls]
+        return turn
+    return {"role": m.role, "content": m.text}
 
 
 def _call(raw_id: Any, pname: str, raw_args: Any, names: Names, position: int,

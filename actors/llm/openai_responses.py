@@ -23,12 +23,15 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from actors.llm.convert import (
+    Assembly,
     Names,
+    WireMemo,
     arguments_json,
+    assembled,
     base_url,
+    joined_system,
     parse_arguments,
     strict_compatible,
-    system_text,
 )
 from actors.llm.openai_chat import DEFAULT_BASE_URL
 from actors.llm.transport import WireRequest, decode_json, stream_error
@@ -44,11 +47,12 @@ REASONING_KEYS: Final = ("type", "id", "summary", "content", "encrypted_content"
 
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
-          stream: bool) -> WireRequest:
+          stream: bool, memo: WireMemo | None = None) -> WireRequest:
     exported, pnames = export(tools, "openai")
     names = Names(pnames)
-    body: dict[str, Any] = {"model": settings.model, "input": _input(messages, names)}
-    instructions = system_text(system, messages)
+    assembly = assembled(messages, memo, PROVIDER, lambda: _Input(names))
+    body: dict[str, Any] = {"model": settings.model, "input": assembly.done()}
+    instructions = joined_system(system, assembly.system)
     if instructions:
         body["instructions"] = instructions
     if tools:
@@ -76,33 +80,37 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
         stream=(lambda: ResponsesStream(names)) if stream else None)
 
 
-def _input(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    for m in messages:
+class _Input(Assembly):
+    """A message's items each, in order; system-role messages go in `instructions`."""
+
+    __slots__ = ()
+
+    def push(self, m: Message) -> None:
         if m.role == "system":
-            continue  # in `instructions`
-        if m.role == "tool":
-            items.append({"type": "function_call_output", "call_id": m.tool_call_id,
-                          "output": m.text})
-            continue
-        if m.role == "user" or not m.tool_calls:
-            items.append({"role": m.role, "content": m.text})
-            continue
-        calls: list[dict[str, Any]] = []
-        for c in m.tool_calls:
-            calls.extend(c.extra.get("reasoning") or [])
-            item = {"type": "function_call", "call_id": c.id, "name": names.out(c.name),
-                    "arguments": arguments_json(c)}
-            if c.extra.get("id"):
-                item["id"] = c.extra["id"]
-            calls.append(item)
-        if m.text:
-            # The text goes before the calls, after the reasoning that led to the first one.
-            first = next(i for i, it in enumerate(calls)
-                         if it.get("type") == "function_call")
-            calls.insert(first, {"role": "assistant", "content": m.text})
-        items.extend(calls)
-    return items
+            if m.text:
+                self.system.append(m.text)
+            return
+        self.out += _items(m, self.names)
+
+
+def _items(m: Message, names: Names) -> list[dict[str, Any]]:
+    if m.role == "tool":
+        return [{"type": "function_call_output", "call_id": m.tool_call_id, "output": m.text}]
+    if m.role == "user" or not m.tool_calls:
+        return [{"role": m.role, "content": m.text}]
+    calls: list[dict[str, Any]] = []
+    for c in m.tool_calls:
+        calls.extend(c.extra.get("reasoning") or [])
+        item = {"type": "function_call", "call_id": c.id, "name": names.out(c.name),
+                "arguments": arguments_json(c)}
+        if c.extra.get("id"):
+            item["id"] = c.extra["id"]
+        calls.append(item)
+    if m.text:
+        # The text goes before the calls, after the reasoning that led to the first one.
+        first = next(i for i, it in enumerate(calls) if it.get("type") == "function_call")
+        calls.insert(first, {"role": "assistant", "content": m.text})
+    return calls
 
 
 def parse(data: Any, names: Names) -> ModelResponse:

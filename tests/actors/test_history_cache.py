@@ -12,8 +12,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from msgspec.json import encode
 
 from actors.compressor import Compression
+from actors.llm import BUILDERS
+from actors.llm.types import ModelSettings
 from actors.planner import HistoryCache, transcript
 from schemas.events import (
     Event,
@@ -80,9 +83,17 @@ def test_the_cached_history_is_the_rendered_history(seed: int) -> None:
         open_turns = [state.turns[t] for t in state.open_turns]
         rng.shuffle(open_turns)
         for turn in open_turns:
-            assert transcript(state, turn, compression, cache) == \
-                transcript(state, turn, compression), (seed, seq, turn.turn_id)
+            cached = transcript(state, turn, compression, cache)
+            assert cached == transcript(state, turn, compression), (seed, seq, turn.turn_id)
             asked += 1
+            if asked % 7 == 0:  # and as each API receives it, with the memo or without
+                for provider, build in BUILDERS.items():
+                    args = {"system": "sys", "messages": cached, "tools": [],
+                            "tool_choice": "auto", "response_schema": None,
+                            "stream": False}
+                    settings = ModelSettings(provider=provider, model="m")
+                    assert encode(build(settings, **args, memo=cache.wire(SID)).body) == \
+                        encode(build(settings, **args).body), (seed, seq, provider)
     assert asked > 50
 
 
@@ -104,3 +115,4 @@ def test_a_long_session_renders_only_what_ended_since() -> None:
     kept = cache._entries[SID]
     # Everything before the last turn is kept, as rendered once.
     assert kept.upto == state.turns["t199"].seq and len(kept.messages) == 2 * 199
+    assert cache.wire(SID) is kept.wire

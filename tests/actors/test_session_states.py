@@ -59,6 +59,26 @@ async def test_a_cold_session_loads_its_snapshot_and_folds_only_the_tail(
     assert encode_state(cold.state) == await _folded(log, sid)
 
 
+async def test_snapshots_grow_further_apart_as_a_session_grows(bus: Bus, sid: str) -> None:
+    # A snapshot encodes the whole state: at a fixed interval a long session would pay
+    # more for it at every event. An eighth of the session's events apart, at least
+    # `snapshot_every`, the cost per event stays flat and a cold start still reads only
+    # the tail after the last one.
+    log = EventLog(bus)
+    states = SessionStates(bus, log, snapshot_every=10)
+    taken: list[int] = []
+    states._save_snapshot = lambda state: taken.append(state.event_count)  # type: ignore[method-assign]
+    entry = Entry(SessionState(session_id=sid))
+    for seq in range(1, 4001):
+        states.fold(entry, seq, RequestRejected(session_id=sid, at=0.0, actor="test",
+                                                reason="test", message="m"))
+    gaps = [b - a for a, b in zip([0, *taken], taken, strict=False)]
+    assert taken[:8] == list(range(10, 90, 10))  # every 10 while that is more than 1/8
+    assert all(gap >= max(10, count // 8) for gap, count in zip(gaps, taken, strict=True))
+    assert len(taken) < 45  # against 400 at a fixed 10
+    assert 4000 - taken[-1] < 4000 // 8 + 1
+
+
 async def test_a_short_session_is_read_whole_in_one_batch_beside_its_snapshot(
         bus: Bus, sid: str) -> None:
     log = EventLog(bus)
