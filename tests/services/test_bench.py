@@ -134,16 +134,26 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
     direct, turn = "direct httpx, 2 model round trips", "toolbus turn, fresh sessions"
     late_direct = "direct httpx, bodies of turn 10"
     early, late = "one session, turns 1..5", "one session, turns 6..10"
-    assert [r["name"] for r in rows] == [JS, RR, direct, turn, early, late_direct, late]
-    assert all(r["n"] == 20 for r in rows[:4]) and rows[4]["n"] == rows[6]["n"] == 5
-    assert _vs(rows[3]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
+    chain = "raw JetStream chain, 5 hops"
+    assert [r["name"] for r in rows] == [JS, RR, chain, direct, turn, early, late_direct,
+                                         late]
+    assert all(r["n"] == 20 for r in rows[:5]) and rows[5]["n"] == rows[7]["n"] == 5
+    assert _vs(rows[2]) == {("p50", JS, "p50"), ("p99", JS, "p50")}
+    assert _vs(rows[4]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
                             ("p50", JS, "p50"), ("p99", JS, "p50")}
-    assert _vs(rows[4]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
-    assert _vs(rows[6]) == {("p50", early, "p50"), ("p99", early, "p50"),
+    assert _vs(rows[5]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
+    assert _vs(rows[7]) == {("p50", early, "p50"), ("p99", early, "p50"),
                             ("p50", late_direct, "p50"), ("p99", late_direct, "p50")}
     assert set(report) >= {"overhead_p50_ms", "overhead_p50_vs_js_publish", "ratio_p50",
                            "ratio_p99", "early_overhead_p50_ms", "late_overhead_p50_ms",
-                           "late_turns_p50_vs_early", "growth_ms_per_100_turns", "goal"}
+                           "late_turns_p50_vs_early", "growth_ms_per_100_turns", "goal",
+                           "path_hops", "raw_chain_p50_ms",
+                           "overhead_beyond_raw_chain_p50_ms"}
+    # Five hops one after another take longer than one publish+ack, and the split of the
+    # overhead adds up.
+    assert report["path_hops"] == 5 and rows[2]["p50_ms"] > rows[0]["p50_ms"]
+    assert report["overhead_beyond_raw_chain_p50_ms"] == pytest.approx(
+        report["overhead_p50_ms"] - report["raw_chain_p50_ms"], abs=0.002)
     assert set(report["goal"]) == {"overhead_p50_ms", "overhead_met", "flat_within",
                                    "flat_met"}
     # Every process the benchmark started spent CPU on the turns, and the total adds up.
