@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
 
@@ -55,11 +56,12 @@ class WireMemo:
     """The wire form of the messages of a conversation that will not change (a session's
     ended turns), per API, converted and JSON-encoded once: each later model call of the
     session copies their bytes into its request (as `msgspec.Raw`) and converts only the
-    messages after them, so a call does not cost more as the session grows longer.
+    messages after them: what grows with the session is a copy of references and of bytes.
 
     The owner passes the messages that are final to `keep`, in order, as they become
-    final; a request whose messages start with all of them (compared as values: a
-    message's wire form depends on it alone) is built from the memo, any other in full."""
+    final; a request whose messages start with those very objects is built from the memo
+    (a copy of references, then the messages after them), any other in full. Identity,
+    not equality: `1 == True` and dicts equal in another key order encode differently."""
 
     __slots__ = ("_assemblies", "_kept")
 
@@ -78,7 +80,7 @@ class WireMemo:
         """An assembly of `messages` in `fmt`, its start taken from the memo."""
         kept = self._kept
         k = len(kept)
-        if not k or len(messages) < k or messages[:k] != kept:
+        if not k or len(messages) < k or not all(map(operator.is_, messages[:k], kept)):
             return assemble(messages, start())
         done, assembly = self._assemblies.get(fmt) or (0, start())
         if done < k:  # final since the last call: converted once, and kept converted

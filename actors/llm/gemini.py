@@ -15,7 +15,8 @@ Quirks:
 - Results: a `role: user` content whose parts are all the `functionResponse{name, id,
   response: {output | error}}` of one turn's calls, in one content (Gemini pairs them by
   count); user text after them goes in a content of its own, since Gemini takes a
-  content mixing the two for the model's.
+  content mixing the two for the model's. A result without a tool name is sent with the
+  name of the latest call with its id before it.
 - `finishReason` is `STOP` even when calls are present. Thought-summary parts
   (`thought: true`) are not answer text.
 Reply: `candidates[0].content.parts`, `usageMetadata.{promptTokenCount,
@@ -97,14 +98,15 @@ _Wire = tuple[str, Any] | None  # ("model" | "user", content) or ("result", part
 class _Contents(Assembly):
     """A run of results shares one user content, kept apart until something else ends it;
     anything else is a content of its own. A result without a tool name takes the name of
-    the call it answers, from the messages before it."""
+    the call it answers: the latest call with its id before it (none: an empty name)."""
 
-    __slots__ = ("by_id", "results")
+    __slots__ = ("by_id", "owns_ids", "results")
 
     def __init__(self, names: Names) -> None:
         super().__init__(names)
         self.results: list[Any] | None = None
         self.by_id: dict[str, str] = {}
+        self.owns_ids = True  # False: `by_id` is shared with the assembly resumed from
 
     def push(self, m: Message) -> None:
         if m.role == "system":
@@ -112,6 +114,8 @@ class _Contents(Assembly):
                 self.system.append(m.text)
             return
         if m.tool_calls:
+            if not self.owns_ids:
+                self.by_id, self.owns_ids = dict(self.by_id), True
             self.by_id.update(call_names([m]))
         wire = _wire(m, self.names, self.by_id)
         if wire is None:
@@ -137,7 +141,8 @@ class _Contents(Assembly):
     def resumed(self) -> _Contents:
         other = super().resumed()
         other.results = None if self.results is None else self.results[:]
-        other.by_id = dict(self.by_id)
+        # Shared until either side gets a call of its own, which copies it first.
+        other.owns_ids = self.owns_ids = False
         return other
 
     def freeze(self) -> None:

@@ -9,12 +9,14 @@ session's ended turns, and every request is built twice.
 
 from __future__ import annotations
 
+import collections
 import random
+from typing import Any
 
 import msgspec
 import pytest
 
-from actors.llm import BUILDERS, WireMemo
+from actors.llm import BUILDERS, WireMemo, anthropic, gemini, openai_chat, openai_responses
 from actors.llm.types import Message, ModelSettings, ToolCall
 from schemas.tools import ToolSpec
 
@@ -48,12 +50,29 @@ def _message(rng: random.Random, k: int, calls: list[ToolCall]) -> Message:
     return Message(role="system", text=rng.choice(["be brief", ""]))
 
 
+ASSEMBLIES = {"openai": openai_chat._Chat, "openai-responses": openai_responses._Input,
+              "anthropic": anthropic._Messages, "gemini": gemini._Contents}
+
+
 @pytest.mark.parametrize("provider", sorted(BUILDERS))
 @pytest.mark.parametrize("seed", range(6))
-def test_a_request_built_with_the_memo_is_the_same_bytes(provider: str, seed: int) -> None:
+def test_a_request_built_with_the_memo_is_the_same_bytes(
+        provider: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
     build = BUILDERS[provider]
     settings = ModelSettings(provider=provider, model="m", api_key="k")
+    # Every message the memoized builds convert, counted.
+    pushed: collections.Counter[int] = collections.Counter()
+    counting = False
+    cls = ASSEMBLIES[provider]
+    real_push = cls.push
+
+    def push(self: Any, m: Message) -> None:
+        if counting:
+            pushed[id(m)] += 1
+        real_push(self, m)
+
+    monkeypatch.setattr(cls, "push", push)
     memo = WireMemo()
     messages: list[Message] = []
     calls: list[ToolCall] = []
@@ -63,17 +82,67 @@ def test_a_request_built_with_the_memo_is_the_same_bytes(provider: str, seed: in
         if rng.random() < 0.3:
             more = rng.randrange(kept, len(messages) + 1)
             memo.keep(messages[kept:more])
+            for m in messages[kept:more]:
+                pushed[id(m)] = 0  # counted from now on
             kept = more
         for stream in (False, True):
             plain = build(settings, system="sys", messages=messages, tools=TOOLS,
                           tool_choice="auto", response_schema=None, stream=stream)
+            counting = True
             memoized = build(settings, system="sys", messages=messages, tools=TOOLS,
                              tool_choice="auto", response_schema=None, stream=stream,
                              memo=memo)
+            counting = False
             assert msgspec.json.encode(memoized.body) == msgspec.json.encode(plain.body), \
                 (provider, seed, k)
-    # The kept history went out from the memo, converted once.
+    # Each message was converted once after it was kept (the others again for every
+    # request).
     assert kept > 20 and memo._assemblies[provider][0] == kept
+    assert [pushed[id(m)] for m in messages[:kept]] == [1] * kept
+
+
+def test_equal_messages_that_are_not_the_kept_ones_are_built_in_full() -> None:
+    # Equal is not enough: 1 == True and key order do not change equality but do change
+    # the JSON. A conversation whose start is equal copies of the kept messages is
+    # converted whole, and sends what it holds.
+    settings = ModelSettings(provider="gemini", model="m", api_key="k")
+    kept = [Message(role="user", text="q"),
+            Message(role="assistant", tool_calls=[
+                ToolCall(id="c1", name="crm:lookup", arguments={"a": 1, "b": 2})])]
+    memo = WireMemo()
+    memo.keep(kept)
+    args = {"system": None, "tools": TOOLS, "tool_choice": "auto", "response_schema": None,
+            "stream": False}
+    BUILDERS["gemini"](settings, messages=kept, memo=memo, **args)  # remembered
+    copies = [kept[0], Message(role="assistant", tool_calls=[
+        ToolCall(id="c1", name="crm:lookup", arguments={"b": 2, "a": True})])]
+    assert copies == kept  # equal as Python sees it
+    body = BUILDERS["gemini"](settings, messages=copies, memo=memo, **args).body
+    assert msgspec.json.encode(body) == msgspec.json.encode(
+        BUILDERS["gemini"](settings, messages=copies, **args).body)
+    assert body["contents"][1]["parts"][0]["functionCall"]["args"] == {"b": 2, "a": True}
+
+
+def test_a_gemini_result_without_a_name_takes_the_latest_call_before_it() -> None:
+    settings = ModelSettings(provider="gemini", model="m", api_key="k")
+    memo = WireMemo()
+
+    def call(name: str) -> Message:
+        return Message(role="assistant", tool_calls=[ToolCall(id="c1", name=name,
+                                                              arguments={})])
+
+    def result() -> Message:
+        return Message(role="tool", tool_call_id="c1", text="{}")
+
+    messages = [result(), call("crm:lookup"), result(), call("crm:other"), result()]
+    memo.keep(messages[:3])
+    for with_memo in (None, memo, memo):
+        body = msgspec.json.decode(msgspec.json.encode(BUILDERS["gemini"](
+            settings, system=None, messages=messages, tools=[], tool_choice="auto",
+            response_schema=None, stream=False, memo=with_memo).body))
+        names = [p["functionResponse"]["name"] for c in body["contents"]
+                 for p in c["parts"] if "functionResponse" in p]
+        assert names == ["", "crm__lookup", "crm__other"]
 
 
 def test_only_kept_messages_are_remembered() -> None:
