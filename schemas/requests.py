@@ -327,6 +327,10 @@ def _json_type(value: object) -> str:
             return "a boolean"
         case int() | float():
             return "a number"
+        case "":
+            return "an empty string"
+        case str() if not value.strip():
+            return "only whitespace"
         case str():
             return "a string"
         case list():

@@ -482,6 +482,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     bus = await connect(url, name="toolbus-chat")
     client = ToolbusClient(bus)
     streamed = [False]
+    tools: dict[str, str] = {}  # call id -> tool, to name a call when it ends
 
     async def on_live(msg: Any) -> None:
         kind = msg.subject.split(".", 3)[3] if msg.subject.count(".") >= 3 else ""
@@ -498,13 +499,16 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             sys.stdout.flush()
             streamed[0] = True
         elif kind == "call.requested" and body.get("actor") == "planner":
+            if len(tools) < 10_000:
+                tools[str(body.get("call_id"))] = str(body.get("tool"))
             args_text = msgspec.json.encode(body.get("arguments")).decode()[:200]
             print(f"\n  -> {_printable(body.get('tool'))} {_printable(args_text)}",
                   file=sys.stderr, flush=True)
         elif kind in ("call.succeeded", "call.failed", "call.rejected"):
             what = "ok" if kind == "call.succeeded" else \
                 f"{kind.split('.')[1]}: {str(body.get('message', ''))[:200]}"
-            print(f"  <- {_printable(body.get('call_id'))} {_printable(what)}",
+            call = str(body.get("call_id"))
+            print(f"  <- {_printable(tools.pop(call, call))} {_printable(what)}",
                   file=sys.stderr, flush=True)
         elif kind.startswith("approval.requested"):
             print(f"  .. {_printable(body.get('tool'))} waits for a human: toolbus approve "
@@ -556,8 +560,8 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                       f"{_printable(end.message)}", file=sys.stderr)
                 code = EXIT_CALL_FAILED
             else:
-                print(f"toolbus: the message was refused ({end.reason}): {end.message}",
-                      file=sys.stderr)
+                print(f"toolbus: the message was refused ({end.reason}): "
+                      f"{_printable(end.message)}", file=sys.stderr)
                 code = EXIT_CALL_FAILED
         await sub.unsubscribe()
     finally:

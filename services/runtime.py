@@ -629,16 +629,20 @@ def _banner(url: str, data_dir: Path | None, pid: int | None, settings: ActorSet
                          "0600); the CLI finds them there")
         elif server is not None:
             lines.append("  auth:   OFF (--no-auth): anyone on the port can do anything")
+        planner = any(isinstance(a, _PlannerWithCatalog) for a in actors)
+        kinds = "session, approval" + (", planner" if planner else "")
         if workers is None:
-            lines += ["  actors: session, approval", *actor_lines(actors)]
+            lines += [f"  actors: {kinds}", *actor_lines(actors)]
         else:
-            here = "session, approval" + (", HTTP gateway" if settings.http_port else "")
+            here = kinds + (", HTTP gateway" if settings.http_port else "")
             lines.append(f"  process {os.getpid()}: {here}")
+            lines += [f"  {line}" for line in actor_lines(actors)]
             for w in workers.workers:
                 lines.append(f"  process {w.pid} (worker {w.index}):")
                 lines += [f"  {line}" for line in w.lines]
-        lines.append("  try:    toolbus call built-in:echo '{\"text\": \"hi\"}' --session demo"
-                     + _where_flag(server, data_dir))
+        lines.append("  try:    " + ("toolbus chat --session demo 'hello'" if planner else
+                                     "toolbus call built-in:echo '{\"text\": \"hi\"}' "
+                                     "--session demo") + _where_flag(server, data_dir))
         if settings.http_port is not None:
             lines.append(f"  http:   http://127.0.0.1:{settings.http_port} (GET /approvals, "
                          "POST /sessions/SID/requests, ...)")

@@ -20,6 +20,9 @@ from schemas.requests import parse_request
         (b'{"request_id": "auto-1", "calls": [{"tool": "a:b"}]}', "invalid_request", "reserved"),
         (b'{"calls": [{"tool": "a:b"}], "extra": 1}', "invalid_request", "unknown field(s) extra"),
         (b'{"calls": [{"tool": "a:b", "args": {}}]}', "invalid_request", "calls[0] has unknown"),
+        (b'{"message": ""}', "invalid_request", "non-empty string, got an empty string"),
+        (b'{"message": " \\n"}', "invalid_request", "non-empty string, got only whitespace"),
+        (b'{"message": 7}', "invalid_request", "non-empty string, got a number"),
     ],
 )
 def test_bad_request_bodies_are_refused_naming_the_field(body, reason, words) -> None:
