@@ -261,18 +261,6 @@ async def _series(op: Op, n: int) -> list[float]:
     return lat
 
 
-async def _series_beside(op: Op, other: Op, n: int) -> tuple[list[float], list[float]]:
-    """`_series` of `op`, each operation followed by one of `other`, timed too."""
-    lat: list[float] = []
-    ref: list[float] = []
-    for i in range(n):
-        for which, out in ((op, lat), (other, ref)):
-            t = time.perf_counter()
-            await which(i)
-            out.append(time.perf_counter() - t)
-    return lat, ref
-
-
 @contextlib.asynccontextmanager
 async def _server(nats_url: str | None, *, fsync: str) -> AsyncIterator[str]:
     """The given server, or an embedded one in a temporary folder, stopped afterwards."""
@@ -598,12 +586,14 @@ async def bench_mcp(*, n: int = 1000, concurrency: int = 16, fsync: str = "batch
 # --- agent ------------------------------------------------------------------------------
 
 AGENT_GOAL_OVERHEAD_MS = 2.0  # toolbus turn p50 - direct two round trips p50
-AGENT_GOAL_FLAT = 0.10  # late turns of one session at most 10% slower than its first (p50)
+AGENT_GOAL_FLAT = 0.10  # late turns of a session at most 10% slower than its first (p50)
 # The store-then-deliver hops one after another on a turn's path: the request to the
 # session actor, `turn.requested` to the planner, the model's calls to the executor, the
 # result to the planner, the last events to the client. (`model.requested` is stored
 # while the model is called, off the path.)
 AGENT_PATH_HOPS = 5
+# Sessions whose history grows in `bench agent`, turn by turn in rounds.
+AGENT_LONG_SESSIONS = 5
 
 
 def _growth_ms_per_100(lat: list[float]) -> float:
@@ -633,7 +623,8 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
     """A one-tool planner turn (model -> `built-in:echo` -> model -> answer) against the
     sample model server (services/sample_llm.py), beside the same two model round trips
     sent directly with httpx (the same bodies, captured by the server), in the same run:
-    `n` turns in fresh sessions, then `turns` turns in one session, whose history grows."""
+    `n` turns in fresh sessions, then `turns` turns in each of `AGENT_LONG_SESSIONS`
+    sessions, whose history grows, each beside a turn in a fresh session."""
     import httpx  # only this benchmark talks to the model server itself
 
     machine = _machine()
@@ -671,6 +662,8 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
                                  and (end.text or "").startswith("The tool answered"))
             return op
 
+        history: list[int] = []  # user messages in the bodies each read took
+
         async def last_turn_bodies() -> list[bytes]:
             """The two request bodies of the turn just ended, as the planner sent them."""
             got = msgspec.json.decode((await http.get(f"{base}/requests")).content)[-2:]
@@ -678,6 +671,7 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
             if roles != ["user", "tool"]:
                 raise RuntimeError(f"the sample model server last received requests ending "
                                    f"with {roles}, not a user message then a tool result")
+            history.append(sum(m["role"] == "user" for m in got[-1]["messages"]))
             # Encoded as the planner encodes them (msgspec keeps the key order): the same bytes.
             return [msgspec.json.encode(b) for b in got]
 
@@ -706,20 +700,39 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         fresh = await measure("toolbus turn, fresh sessions",
                               turn_in(lambda i: f"agent-{run}-f{i}"), n=n, concurrency=1)
         cpu = _cpu_per_op(cpu_before, _cpu_seconds(), n)
-        # Each turn of the long session is followed by a turn in a fresh session: the
-        # machine's speed drifts over a run (other tenants), and a turn beside its fresh
-        # neighbour shows what history alone costs.
-        lat, beside = await _series_beside(turn_in(lambda i: f"agent-{run}-long"),
-                                           turn_in(lambda i: f"agent-{run}-r{i}"), turns)
-        last = await last_turn_bodies()
+        # `turns` turns in each of a few sessions, in rounds (turn i of each, then turn
+        # i + 1), each followed by a turn in a fresh session: the machine's speed drifts
+        # over a run (other tenants), and a turn beside its fresh neighbour shows what
+        # history alone costs. Several sessions give each window more turns than one.
+        lat: list[list[float]] = [[] for _ in range(AGENT_LONG_SESSIONS)]
+        beside: list[list[float]] = [[] for _ in range(AGENT_LONG_SESSIONS)]
+        def long_session(k: int) -> Callable[[int], str]:
+            return lambda i: f"agent-{run}-long{k}"
+
+        longs = [turn_in(long_session(k)) for k in range(AGENT_LONG_SESSIONS)]
+        fresh_turn = turn_in(lambda i: f"agent-{run}-r{i}")
+        last: list[bytes] = []
+        for i in range(turns):
+            for k, long_turn in enumerate(longs):
+                t = time.perf_counter()
+                await long_turn(i)
+                lat[k].append(time.perf_counter() - t)
+                if i == turns - 1 and k == len(longs) - 1:
+                    last = await last_turn_bodies()
+                t = time.perf_counter()
+                await fresh_turn(i * len(longs) + k)
+                beside[k].append(time.perf_counter() - t)
         d_late = await measure(f"direct httpx, bodies of turn {turns}", direct(last), n=n,
                                concurrency=1)
 
     early_span, late_span = f"1..{window}", f"{turns - window + 1}..{turns}"
-    early = _stats(f"one session, turns {early_span}", lat[:window],
-                   seconds=sum(lat[:window]), concurrency=1)
-    late = _stats(f"one session, turns {late_span}", lat[-window:],
-                  seconds=sum(lat[-window:]), concurrency=1)
+    early_lat = [x for one in lat for x in one[:window]]
+    late_lat = [x for one in lat for x in one[-window:]]
+    sessions = f"{AGENT_LONG_SESSIONS} sessions"
+    early = _stats(f"{sessions}, turns {early_span}", early_lat, seconds=sum(early_lat),
+                   concurrency=1)
+    late = _stats(f"{sessions}, turns {late_span}", late_lat, seconds=sum(late_lat),
+                  concurrency=1)
     fresh_line = Line(fresh).beside(d_fresh, *LATENCY).beside(floors.js, *LATENCY)
     early_line = Line(early).beside(d_fresh, *LATENCY)
     late_line = Line(late).beside(early, *LATENCY).beside(d_late, *LATENCY)
@@ -730,8 +743,14 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
     # The goal's measure: each turn against the fresh-session turn right after it, late
     # against early, so that the machine speeding up or slowing down between the two
     # windows does not count as history.
-    relative = [a / b for a, b in zip(lat, beside, strict=True)]
-    flat = statistics.median(relative[-window:]) / statistics.median(relative[:window])
+    relative = [[a / b for a, b in zip(one, ref, strict=True)]
+                for one, ref in zip(lat, beside, strict=True)]
+    flat = statistics.median(x for one in relative for x in one[-window:]) / \
+        statistics.median(x for one in relative for x in one[:window])
+    # Per turn number, the median over the sessions, for the slopes.
+    by_turn = [statistics.median(one[i] for one in lat) for i in range(turns)]
+    relative_by_turn = [statistics.median(one[i] for one in relative) for i in range(turns)]
+    fresh_beside = statistics.median(x for one in beside for x in one)
     report: dict[str, Any] = {
         "machine": machine, "fsync": fsync, "n": n, "turns": turns,
         "rows": [_line_json(x) for x in lines],
@@ -749,10 +768,13 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         "late_turns_p50_vs_early": round(raw_flat, 2),
         # The same beside fresh-session turns taken in between (the goal's measure).
         "late_vs_early_beside_fresh": round(flat, 2),
-        "fresh_beside_p50_ms": round(statistics.median(beside) * 1e3, 3),
-        "growth_ms_per_100_turns": round(_growth_ms_per_100(lat), 3),
+        "fresh_beside_p50_ms": round(fresh_beside * 1e3, 3),
+        "long_sessions": AGENT_LONG_SESSIONS,
+        # The user messages the model read in the first turn and in a long session's last.
+        "user_messages_read": history,
+        "growth_ms_per_100_turns": round(_growth_ms_per_100(by_turn), 3),
         "growth_ms_per_100_turns_beside_fresh": round(_growth_ms_per_100(
-            [r * statistics.median(beside) for r in relative]), 3),
+            [r * fresh_beside for r in relative_by_turn]), 3),
         # CPU ms per fresh-session turn of each process (this client, the embedded
         # nats-server, `toolbus up`, its workers, the model server); empty without /proc.
         "cpu_per_turn_ms": cpu,
@@ -768,7 +790,8 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         return 0 if failures == 0 else 1
     goal = report["goal"]
     print(_header("agent", machine, f"{_fsync_text(None, fsync)}; n {n} turns in fresh "
-                                    f"sessions, {turns} turns in one session"))
+                                    f"sessions, {turns} turns in each of "
+                                    f"{AGENT_LONG_SESSIONS} sessions"))
     _print_lines(lines)
     print(f"\na planner turn (model, built-in:echo, model, answer) costs {fresh.p50_ms:.2f} ms "
           f"at p50, {report['ratio_p50']}x the same two model round trips sent directly "
@@ -778,7 +801,7 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"{chain.p50_ms:.2f} ms is what the bus alone takes for the {AGENT_PATH_HOPS} "
           f"hops one after another on a turn's path (a raw chain, nothing decoded), "
           f"{report['overhead_beyond_raw_chain_p50_ms']} ms is toolbus's own work.")
-    print(f"one session: turns {late_span} p50 / turns {early_span} = "
+    print(f"{sessions}, {turns} turns each: turns {late_span} p50 / turns {early_span} = "
           f"{report['late_turns_p50_vs_early']}x (flat is 1.0x); toolbus adds "
           f"{report['early_overhead_p50_ms']} ms early, {report['late_overhead_p50_ms']} ms "
           f"late (beside the direct round trips with the same history). Each turn against "

@@ -298,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls, mcp, agent, compress: start the measured `toolbus up` with "
                         "--workers N (default: its own default, one process per core)")
     p.add_argument("--turns", type=_positive_int, default=None,
-                   help="calls, agent: turns of the one long session (default 1000; agent: "
-                        "100)")
+                   help="calls: turns of the one long session (default 1000); agent: turns "
+                        "of each of its 5 long sessions (default 100)")
     p.add_argument("--session-actors", type=_positive_int, default=1, metavar="N",
                    help="calls: session-actor processes sharing the partitions (default 1: "
                         "the one of the measured `toolbus up`; more are started here, also "

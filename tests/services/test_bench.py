@@ -133,11 +133,11 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
     rows = report["rows"]
     direct, turn = "direct httpx, 2 model round trips", "toolbus turn, fresh sessions"
     late_direct = "direct httpx, bodies of turn 10"
-    early, late = "one session, turns 1..5", "one session, turns 6..10"
+    early, late = "5 sessions, turns 1..5", "5 sessions, turns 6..10"
     chain = "raw JetStream chain, 5 hops"
     assert [r["name"] for r in rows] == [JS, RR, chain, direct, turn, early, late_direct,
                                          late]
-    assert all(r["n"] == 20 for r in rows[:5]) and rows[5]["n"] == rows[7]["n"] == 5
+    assert all(r["n"] == 20 for r in rows[:5]) and rows[5]["n"] == rows[7]["n"] == 25
     assert _vs(rows[2]) == {("p50", JS, "p50"), ("p99", JS, "p50")}
     assert _vs(rows[4]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
                             ("p50", JS, "p50"), ("p99", JS, "p50")}
@@ -151,6 +151,8 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
                            "overhead_beyond_raw_chain_p50_ms", "late_vs_early_beside_fresh",
                            "fresh_beside_p50_ms", "growth_ms_per_100_turns_beside_fresh"}
     # The goal's verdict is the drift-corrected ratio's.
+    # The late bodies are a long session's last turn's: its 10 messages, 9 before it.
+    assert report["user_messages_read"] == [1, 10]
     beside = report["late_vs_early_beside_fresh"]
     assert abs(beside - 1.1) < 0.006 or report["goal"]["flat_met"] == (beside <= 1.1)
     # Five hops one after another take longer than one publish+ack, and the split of the
