@@ -29,6 +29,7 @@ from actors.llm.convert import (
     WireMemo,
     assembled,
     base_url,
+    exported_tools,
     joined_system,
     parse_arguments,
     raw_json,
@@ -36,7 +37,6 @@ from actors.llm.convert import (
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from schemas.errors import ModelError
-from schemas.providers import export
 from schemas.tools import ToolSpec
 
 PROVIDER: Final = "anthropic"
@@ -52,8 +52,7 @@ THINKING: Final = ("thinking", "redacted_thinking")
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
           stream: bool, memo: WireMemo | None = None) -> WireRequest:
-    exported, pnames = export(tools, "anthropic")
-    names = Names(pnames)
+    exported, names = exported_tools(PROVIDER, "anthropic", tools)
     assembly = assembled(messages, memo, PROVIDER, lambda: _Messages(names))
     body: dict[str, Any] = {"model": settings.model,
                             "max_tokens": settings.max_tokens or DEFAULT_MAX_TOKENS,

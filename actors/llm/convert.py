@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
 
@@ -13,7 +14,8 @@ import msgspec
 
 from actors.llm.types import Message, ToolCall
 from schemas.errors import ConfigError
-from schemas.providers import ProviderNames
+from schemas.providers import ProviderNames, export
+from schemas.tools import ToolSpec
 
 
 class Assembly:
@@ -103,6 +105,33 @@ def assembled(messages: Sequence[Message], memo: WireMemo | None, fmt: str,
     if memo is None:
         return assemble(messages, start())
     return memo.assemble(fmt, messages, start)
+
+
+_EXPORTS_KEPT = 256
+_exports: OrderedDict[tuple[str, tuple[int, ...]], tuple[tuple[ToolSpec, ...], Any, Names]] = \
+    OrderedDict()
+
+
+def exported_tools(api: str, fmt: str, tools: Sequence[ToolSpec],
+                   finish: Callable[[Any], Any] = lambda exported: exported,
+                   ) -> tuple[Any, Names]:
+    """The tools offered to one API (`export` in `fmt`, then `finish`ed as the API wants
+    them), encoded, and the name map to read its calls. Kept for the last few hundred sets
+    of tool specs offered: a session offers the same ones at every model call, and
+    converting dozens of schemas costs more than the rest of a request. Specs are frozen,
+    so a set is known by the identity of its specs."""
+    specs = tuple(tools)
+    key = (api, tuple(map(id, specs)))
+    kept = _exports.get(key)
+    if kept is not None and all(map(operator.is_, kept[0], specs)):
+        _exports.move_to_end(key)
+        return kept[1], kept[2]
+    exported, pnames = export(specs, fmt)
+    value, names = raw_json(finish(exported)), Names(pnames)
+    _exports[key] = (specs, value, names)
+    while len(_exports) > _EXPORTS_KEPT:
+        _exports.popitem(last=False)
+    return value, names
 
 
 def raw_json(value: Any) -> Any:

@@ -37,6 +37,7 @@ from actors.llm.convert import (
     assembled,
     base_url,
     call_names,
+    exported_tools,
     joined_system,
     parse_arguments,
     raw_json,
@@ -46,7 +47,6 @@ from actors.llm.convert import (
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from schemas.errors import ModelError
-from schemas.providers import export
 from schemas.tools import ToolSpec
 
 PROVIDER: Final = "gemini"
@@ -60,8 +60,7 @@ FILTERED: Final = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CO
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
           stream: bool, memo: WireMemo | None = None) -> WireRequest:
-    exported, pnames = export(tools, "gemini")
-    names = Names(pnames)
+    exported, names = exported_tools(PROVIDER, "gemini", tools)
     assembly = assembled(messages, memo, PROVIDER, lambda: _Contents(names))
     body: dict[str, Any] = {"contents": assembly.done()}
     instructions = joined_system(system, assembly.system)

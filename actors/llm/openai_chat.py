@@ -23,6 +23,7 @@ from actors.llm.convert import (
     arguments_json,
     assembled,
     base_url,
+    exported_tools,
     parse_arguments,
     stable_id,
     strict_compatible,
@@ -30,7 +31,6 @@ from actors.llm.convert import (
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from schemas.errors import ModelError
-from schemas.providers import export
 from schemas.tools import ToolSpec
 
 PROVIDER: Final = "openai"
@@ -42,15 +42,11 @@ FINISH: Final = {"stop": "stop", "tool_calls": "tool_calls", "function_call": "t
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
           stream: bool, memo: WireMemo | None = None) -> WireRequest:
-    exported, pnames = export(tools, "openai")
-    names = Names(pnames)
+    exported, names = exported_tools(PROVIDER, "openai", tools, _strict)
     url = base_url(settings.base_url, DEFAULT_BASE_URL)
     body: dict[str, Any] = {"model": settings.model,
                             "messages": _messages(system, messages, names, memo)}
     if tools:
-        for tool in exported:
-            if strict_compatible(tool["function"]["parameters"]):
-                tool["function"]["strict"] = True
         body["tools"] = exported
         body["tool_choice"] = tool_choice
     if settings.temperature is not None:
@@ -74,6 +70,13 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
         provider=PROVIDER, url=f"{url}/chat/completions", headers=headers, body=body,
         parse=lambda data: parse(data, names),
         stream=(lambda: ChatStream(names)) if stream else None)
+
+
+def _strict(exported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for tool in exported:
+        if strict_compatible(tool["function"]["parameters"]):
+            tool["function"]["strict"] = True
+    return exported
 
 
 def _messages(system: str | None, messages: Sequence[Message], names: Names,

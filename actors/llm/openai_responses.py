@@ -29,6 +29,7 @@ from actors.llm.convert import (
     arguments_json,
     assembled,
     base_url,
+    exported_tools,
     joined_system,
     parse_arguments,
     strict_compatible,
@@ -37,7 +38,6 @@ from actors.llm.openai_chat import DEFAULT_BASE_URL
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
 from schemas.errors import ModelError
-from schemas.providers import export
 from schemas.tools import ToolSpec
 
 PROVIDER: Final = "openai-responses"
@@ -48,17 +48,14 @@ REASONING_KEYS: Final = ("type", "id", "summary", "content", "encrypted_content"
 def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Message],
           tools: Sequence[ToolSpec], tool_choice: str, response_schema: dict[str, Any] | None,
           stream: bool, memo: WireMemo | None = None) -> WireRequest:
-    exported, pnames = export(tools, "openai")
-    names = Names(pnames)
+    exported, names = exported_tools(PROVIDER, "openai", tools, _functions)
     assembly = assembled(messages, memo, PROVIDER, lambda: _Input(names))
     body: dict[str, Any] = {"model": settings.model, "input": assembly.done()}
     instructions = joined_system(system, assembly.system)
     if instructions:
         body["instructions"] = instructions
     if tools:
-        body["tools"] = [{"type": "function", **t["function"],
-                          "strict": strict_compatible(t["function"]["parameters"])}
-                         for t in exported]
+        body["tools"] = exported
         body["tool_choice"] = tool_choice
     if settings.temperature is not None:
         body["temperature"] = settings.temperature
@@ -78,6 +75,11 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
         provider=PROVIDER, url=f"{url}/responses", headers=headers, body=body,
         parse=lambda data: parse(data, names),
         stream=(lambda: ResponsesStream(names)) if stream else None)
+
+
+def _functions(exported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "function", **t["function"],
+             "strict": strict_compatible(t["function"]["parameters"])} for t in exported]
 
 
 class _Input(Assembly):

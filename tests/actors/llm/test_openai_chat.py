@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from actors.llm import Message, ModelSettings, ToolCall, complete
 from actors.llm.openai_chat import build
 from tests.actors.llm.conftest import KEY, TOOLS
@@ -176,7 +178,8 @@ def test_openai_itself_gets_max_completion_tokens_strict_tools_and_a_json_schema
                     stream=False)
     assert request.url == "https://api.openai.com/v1/chat/completions"
     assert request.body["max_completion_tokens"] == 50
-    assert request.body["tools"][0]["function"]["strict"] is True
+    body = msgspec.json.decode(msgspec.json.encode(request.body))  # as sent
+    assert body["tools"][0]["function"]["strict"] is True
     assert request.body["tool_choice"] == "none"
     assert request.body["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "response", "schema": schema, "strict": True}}

@@ -182,3 +182,41 @@ def test_one_memo_serves_every_format() -> None:
             assert msgspec.json.encode(build(settings, **args, memo=memo).body) == \
                 msgspec.json.encode(build(settings, **args).body), provider
     assert sorted(memo._assemblies) == sorted(BUILDERS)
+
+
+@pytest.mark.parametrize("provider", sorted(BUILDERS))
+def test_the_tools_offered_are_exported_once_per_set_of_specs(provider: str) -> None:
+    # A session offers the same tools at every model call: their schemas are converted
+    # and encoded once, and a request carries exactly what a fresh export gives.
+    from actors.llm import convert
+    from schemas.providers import export
+
+    settings = ModelSettings(provider=provider, model="m", api_key="k")
+    specs = [ToolSpec(name=f"crm:tool_{i}", description=f"tool {i}",
+                      parameters={"type": "object", "properties": {"id": {"type": "string"}},
+                                  "required": ["id"]}) for i in range(3)]
+    args = {"system": None, "messages": [Message(role="user", text="hi")],
+            "tool_choice": "auto", "response_schema": None, "stream": False}
+    first = BUILDERS[provider](settings, tools=specs, **args).body["tools"]
+    assert isinstance(first, msgspec.Raw)
+    assert BUILDERS[provider](settings, tools=list(specs), **args).body["tools"] is first
+    # Equal specs that are other objects, or another set, are exported again.
+    copies = [msgspec.structs.replace(s) for s in specs]
+    assert BUILDERS[provider](settings, tools=copies, **args).body["tools"] is not first
+    fewer = BUILDERS[provider](settings, tools=specs[:2], **args).body["tools"]
+    assert len(msgspec.json.decode(fewer)) < len(msgspec.json.decode(first)) or \
+        provider == "gemini"
+    # What a fresh export gives, as each API finishes it.
+    fmt = "openai" if provider.startswith("openai") else provider
+    fresh, _ = export(specs, fmt)
+    finish = {"openai": convert_module_finish("openai_chat", "_strict"),
+              "openai-responses": convert_module_finish("openai_responses", "_functions")}
+    expected = finish[provider](fresh) if provider in finish else fresh
+    assert msgspec.json.decode(first) == expected
+    assert len(convert._exports) <= convert._EXPORTS_KEPT
+
+
+def convert_module_finish(module: str, name: str) -> Any:
+    import importlib
+
+    return getattr(importlib.import_module(f"actors.llm.{module}"), name)
