@@ -37,6 +37,7 @@ try:
         summarize,
     )
     from schemas.ids import check_session_id, check_tool_name
+    from schemas.requests import strip_controls
     from schemas.state import SessionState, encode_state, fold
     from services.config import (
         ActorSettings,
@@ -462,13 +463,12 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
                          replicas=args.replicas, partitions=args.partitions)
 
 
-_CONTROL = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}
-
-
 def _printable(text: object) -> str:
-    """Model or tool text for the terminal without control characters: a prompt-injected
-    model must not drive the terminal with escape sequences."""
-    return str(text).translate(_CONTROL)
+    """Model or tool text for the terminal without control characters (C0 but tab and
+    newline, DEL, C1) nor invisible format ones (bidirectional overrides): a
+    prompt-injected model must not drive the terminal with escape sequences, nor hide or
+    reorder what it shows."""
+    return str(strip_controls(str(text)))
 
 
 async def _chat(url: str, args: argparse.Namespace) -> int:
@@ -695,14 +695,17 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
     out.write(f"{'seq':>8}  {'time (UTC)':<26}  {'actor':<9} {'type':<18} summary\n")
     for s in stored:
         if s.event is None:
-            out.write(f"{s.seq:>8}  {'?':<26}  {'?':<9} {'(unreadable)':<18} {s.error}\n")
+            out.write(f"{s.seq:>8}  {'?':<26}  {'?':<9} {'(unreadable)':<18} "
+                      f"{_printable(s.error)}\n")
             continue
         ev = s.event
         when = datetime.fromtimestamp(ev.at, UTC).isoformat(timespec="microseconds")[:26]
         tag = type(ev).__struct_config__.tag
-        out.write(f"{s.seq:>8}  {when:<26}  {ev.actor:<9} {tag!s:<18} {summarize(ev)}\n")
+        # Model and tool text: printed without what could drive the terminal.
+        out.write(f"{s.seq:>8}  {when:<26}  {ev.actor:<9} {tag!s:<18} "
+                  f"{_printable(summarize(ev))}\n")
     out.write("\nstate:\n")
-    out.write(msgspec.json.format(encode_state(state).decode(), indent=2) + "\n")
+    out.write(_printable(msgspec.json.format(encode_state(state).decode(), indent=2)) + "\n")
     return EXIT_OK
 
 

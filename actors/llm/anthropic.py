@@ -199,7 +199,9 @@ class MessagesStream:
         self.complete = False
         self._message: dict[str, Any] = {}
         self._blocks: dict[int, dict[str, Any]] = {}
-        self._json: dict[int, str] = {}
+        # A block's fragments (`input_json`, `text`, `thinking`), joined when it ends: a
+        # string grown fragment by fragment costs the square of its length.
+        self._parts: dict[tuple[int, str], list[str]] = {}
         self._usage: dict[str, Any] = {}
 
     def feed(self, event: str, data: str) -> str:
@@ -213,13 +215,12 @@ class MessagesStream:
             self._usage.update(self._message.get("usage") or {})
         elif kind == "content_block_start":
             self._blocks[index] = dict(ev.get("content_block") or {})
-            self._json[index] = ""
+            for key in ("text", "thinking", "input"):  # a block restarted at this index
+                self._parts.pop((index, key), None)
         elif kind == "content_block_delta":
             return self._delta(index, ev.get("delta") or {})
         elif kind == "content_block_stop":
-            block = self._blocks.get(index, {})
-            if block.get("type") == "tool_use" and self._json.get(index):
-                block["input"] = self._json[index]
+            self._join(index)
         elif kind == "message_delta":
             self._message.update(ev.get("delta") or {})
             self._usage.update(ev.get("usage") or {})
@@ -230,21 +231,44 @@ class MessagesStream:
         return ""
 
     def _delta(self, index: int, delta: dict[str, Any]) -> str:
-        block = self._blocks.setdefault(index, {"type": "text", "text": ""})
+        self._blocks.setdefault(index, {"type": "text", "text": ""})
         kind = delta.get("type")
         if kind == "text_delta":
             piece = delta.get("text") or ""
-            block["text"] = (block.get("text") or "") + piece
+            if not isinstance(piece, str):
+                raise TypeError(f"a text delta that is not text: {type(piece).__name__}")
+            self._part(index, "text").append(piece)
             return piece
         if kind == "input_json_delta":
-            self._json[index] = self._json.get(index, "") + (delta.get("partial_json") or "")
+            self._part(index, "input").append(delta.get("partial_json") or "")
         elif kind == "thinking_delta":
-            block["thinking"] = (block.get("thinking") or "") + (delta.get("thinking") or "")
+            self._part(index, "thinking").append(delta.get("thinking") or "")
         elif kind == "signature_delta":
-            block["signature"] = delta.get("signature")
+            self._blocks[index]["signature"] = delta.get("signature")
         return ""
 
+    def _part(self, index: int, key: str) -> list[str]:
+        parts = self._parts.get((index, key))
+        if parts is None:
+            # What the block started with comes first (a tool_use's `input` is `{}`
+            # until its JSON comes, and is replaced by it).
+            start = self._blocks[index].get(key)
+            parts = self._parts[(index, key)] = (
+                [start] if key != "input" and isinstance(start, str) and start else [])
+        return parts
+
+    def _join(self, index: int) -> None:
+        """Put the block's fragments into it: a tool_use's input as the JSON text (parsed
+        by `parse`), only if some came."""
+        block = self._blocks.get(index)
+        for key in ("text", "thinking", "input"):
+            parts = self._parts.pop((index, key), None)
+            if parts and block is not None:
+                block[key] = "".join(parts)
+
     def result(self) -> ModelResponse:
+        for index in list(self._blocks):
+            self._join(index)
         message = {**self._message, "usage": self._usage,
                    "content": [self._blocks[i] for i in sorted(self._blocks)]}
         return parse(message, self.names)

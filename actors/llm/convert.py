@@ -171,8 +171,9 @@ def parse_arguments(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             return {}, {}
         try:
             value = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            return {}, {"invalid_arguments": raw if isinstance(raw, str) else raw.decode()}
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            text = raw if isinstance(raw, str) else raw.decode(errors="replace")
+            return {}, {"invalid_arguments": text}
     if value is None:
         return {}, {}
     if isinstance(value, dict):
@@ -189,7 +190,7 @@ def result_value(text: str) -> Any:
     """A tool result's text as JSON if it is JSON, else the text."""
     try:
         return msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return text
 
 

@@ -155,7 +155,9 @@ class ChatStream:
         self.ended = False
         self.complete = False
         self._text: list[str] = []
-        self._calls: dict[int, dict[str, str]] = {}
+        # Per call: its id, its name, and its arguments' fragments (joined at the end: a
+        # string grown fragment by fragment costs the square of its length).
+        self._calls: dict[int, tuple[list[str], list[str], list[str]]] = {}
         self._finish: str | None = None
         self._usage: dict[str, Any] = {}
         self._model = ""
@@ -180,15 +182,18 @@ class ChatStream:
             delta = choice.get("delta") or {}
             piece += delta.get("content") or ""
             for position, fragment in enumerate(delta.get("tool_calls") or []):
-                slot = self._calls.setdefault(fragment.get("index", position),
-                                              {"id": "", "name": "", "arguments": ""})
-                slot["id"] = fragment.get("id") or slot["id"]
+                ids, names, arguments = self._calls.setdefault(
+                    fragment.get("index", position), ([], [], []))
+                if fragment.get("id"):
+                    ids[:] = [fragment["id"]]
                 function = fragment.get("function") or {}
                 name = function.get("name") or ""
                 # The name comes whole once; a server that repeats it must not double it.
-                if name and name != slot["name"]:
-                    slot["name"] += name
-                slot["arguments"] += function.get("arguments") or ""
+                if name and name != "".join(names):
+                    names.append(name)
+                    if len(names) > 64:
+                        raise ValueError("a tool call's name in over 64 fragments")
+                arguments.append(function.get("arguments") or "")
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
                 self.complete = True
@@ -197,7 +202,8 @@ class ChatStream:
         return piece
 
     def result(self) -> ModelResponse:
-        calls = [_call(slot["id"], slot["name"], slot["arguments"], self.names, i, self._id)
-                 for i, (_, slot) in enumerate(sorted(self._calls.items()))]
+        calls = [_call("".join(ids), "".join(names), "".join(arguments), self.names, i,
+                       self._id)
+                 for i, (_, (ids, names, arguments)) in enumerate(sorted(self._calls.items()))]
         return _reply("".join(self._text), calls, self._finish, self._usage, self._model,
                       self._id, {})

@@ -168,6 +168,7 @@ class ResponsesStream:
         self.ended = False
         self.complete = False
         self._items: dict[int, dict[str, Any]] = {}
+        self._arguments: dict[int, list[str]] = {}  # a function call's fragments so far
         self._final: dict[str, Any] = {}
 
     def feed(self, event: str, data: str) -> str:
@@ -181,9 +182,16 @@ class ResponsesStream:
             return delta if isinstance(delta, str) else ""
         if kind in ("response.output_item.added", "response.output_item.done"):
             self._items[index] = dict(ev.get("item") or {})
+            self._arguments.pop(index, None)  # the item as it stands now
         elif kind == "response.function_call_arguments.delta":
-            item = self._items.setdefault(index, {"type": "function_call", "arguments": ""})
-            item["arguments"] = (item.get("arguments") or "") + (ev.get("delta") or "")
+            # Joined at the end: a string grown fragment by fragment costs the square of
+            # its length.
+            self._items.setdefault(index, {"type": "function_call", "arguments": ""})
+            parts = self._arguments.get(index)
+            if parts is None:
+                start = self._items[index].get("arguments")
+                parts = self._arguments[index] = [start] if isinstance(start, str) else []
+            parts.append(ev.get("delta") or "")
         elif kind == "response.output_text.done":
             # Kept for servers that never send `output_item.done` for the message.
             item = self._items.setdefault(index, {"type": "message", "content": []})
@@ -200,6 +208,9 @@ class ResponsesStream:
         return ""
 
     def result(self) -> ModelResponse:
+        for index, parts in self._arguments.items():
+            self._items[index]["arguments"] = "".join(parts)
+        self._arguments.clear()
         response = dict(self._final)
         if not response.get("output"):
             response["output"] = [self._items[i] for i in sorted(self._items)]

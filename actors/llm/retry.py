@@ -27,6 +27,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from schemas.errors import ModelError
+from schemas.requests import strip_controls
 
 log = logging.getLogger("toolbus.llm")
 
@@ -107,7 +108,9 @@ def redact(text: str, key: str | None) -> str:
 
 
 def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
-    text = " ".join(text.split())
+    """A provider's text for an error message or a log line: on one line, without control
+    or invisible format characters, at most `limit` characters."""
+    text = " ".join(str(strip_controls(text)).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -117,7 +120,7 @@ def provider_message(body: bytes) -> str:
     "status"}}` (Gemini, sometimes wrapped in a list), or plain text."""
     try:
         data: Any = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return body.decode(errors="replace").strip() or "(empty body)"
     if isinstance(data, list) and data:
         data = data[0]

@@ -11,6 +11,7 @@ what it says, except that once a delta has been delivered any of these is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,6 +27,13 @@ from actors.llm.types import ModelResponse
 from schemas.errors import ModelError
 
 ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving up on it
+# What a provider may send in one reply, body or stream, before it is refused: a broken or
+# hostile server must not fill memory, nor keep a turn waiting forever.
+MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
+MAX_CALLS_PER_REPLY: Final = 128
+MAX_CALL_ID_CHARS: Final = 512  # a tool call's id, and its name
+# An attempt ends after this many times `timeout_s` in all (`timeout_s` bounds each read).
+ATTEMPT_DEADLINE_FACTOR: Final = 10
 
 OnDelta = Callable[[str], Awaitable[None]]
 
@@ -60,9 +68,49 @@ class WireRequest:
 def decode_json(data: bytes | str, provider: str) -> Any:
     try:
         return msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ModelError("unavailable", f"the reply is not JSON ({exc})", provider=provider,
-                         retryable=True) from exc
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else \
+            "not UTF-8" if isinstance(exc, UnicodeDecodeError) else clip(str(exc), 200)
+        raise ModelError("unavailable", f"the reply is not JSON ({what})", provider=provider,
+                         retryable=True) from None
+
+
+async def _read_bounded(response: httpx.Response, provider: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise _too_large(provider)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(provider: str) -> ModelError:
+    return ModelError("unavailable", f"the reply is over {MAX_REPLY_BYTES} bytes",
+                      provider=provider)
+
+
+def checked(reply: ModelResponse) -> ModelResponse:
+    """`reply` as it may be stored: every field of its declared type (a provider's JSON
+    can put a number where text belongs, and an event that cannot be read back breaks
+    replay), within the bounds above. Raises `ValueError` or `msgspec.ValidationError`."""
+    data = msgspec.to_builtins(reply)
+    # Token counts only feed the turn's budget: a count that is not one is taken as none.
+    data["usage"] = {k: _count(v) for k, v in (data.get("usage") or {}).items()}
+    reply = msgspec.convert(data, ModelResponse)
+    if len(reply.tool_calls) > MAX_CALLS_PER_REPLY:
+        raise ValueError(f"{len(reply.tool_calls)} tool calls in one reply, over "
+                         f"{MAX_CALLS_PER_REPLY}")
+    for call in reply.tool_calls:
+        if len(call.id) > MAX_CALL_ID_CHARS or len(call.name) > MAX_CALL_ID_CHARS:
+            raise ValueError(f"a tool call id or name over {MAX_CALL_ID_CHARS} characters")
+    return reply
+
+
+def _count(value: Any) -> int:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**53
+    return int(value) if ok else 0
 
 
 async def _read_clipped(response: httpx.Response) -> bytes:
@@ -85,22 +133,28 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
     if req.stream is not None:
         headers["accept"] = "text/event-stream"
         headers["cache-control"] = "no-store"
+    deadline = timeout_s * ATTEMPT_DEADLINE_FACTOR
     try:
-        async with client.stream("POST", req.url, content=msgspec.json.encode(req.body),
-                                 headers=headers, timeout=httpx.Timeout(timeout_s)) as response:
+        async with asyncio.timeout(deadline), client.stream(
+                "POST", req.url, content=msgspec.json.encode(req.body), headers=headers,
+                timeout=httpx.Timeout(timeout_s)) as response:
             if not 200 <= response.status_code < 300:
                 body = await _read_clipped(response)
                 raise http_error(req.provider, response.status_code, response.headers, body,
                                  key)
             if req.stream is None:
-                data = decode_json(await response.aread(), req.provider)
+                data = decode_json(await _read_bounded(response, req.provider), req.provider)
                 with _shape(req.provider):
-                    reply = req.parse(data)
+                    reply = checked(req.parse(data))
             else:
                 decoder = req.stream()
                 after_end = 0
+                size = 0
                 async with contextlib.aclosing(EventSource(response).aiter_sse()) as events:
                     async for sse in events:
+                        size += len(sse.data) + len(sse.event)
+                        if size > MAX_REPLY_BYTES:
+                            raise _too_large(req.provider)
                         if decoder.ended:
                             # Read on to the end of the body (a few bytes at most), so the
                             # connection goes back to the pool instead of being closed.
@@ -117,7 +171,13 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                     raise ModelError("unavailable", "the stream ended before its last event",
                                      provider=req.provider, retryable=True)
                 with _shape(req.provider):
-                    reply = decoder.result()
+                    reply = checked(decoder.result())
+    except TimeoutError as exc:  # the attempt's deadline, not a read's (httpx's own)
+        what = (f"no whole reply within {deadline:g} s ({ATTEMPT_DEADLINE_FACTOR} x "
+                f"timeout_s)")
+        if delivered:
+            raise _partial(req.provider, what, None) from exc
+        raise ModelError("unavailable", what, provider=req.provider, retryable=True) from exc
     except ModelError as err:
         if delivered:
             raise _partial(err.provider, redact(err.message, key), err.status) from err
@@ -134,6 +194,15 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
         if delivered:
             raise _partial(req.provider, what, None) from exc
         raise ModelError("unavailable", what, provider=req.provider, retryable=True) from exc
+    except (httpx.HTTPError, httpx.StreamError, RecursionError, UnicodeDecodeError,
+            LookupError, TypeError, ValueError) as exc:
+        # Anything else a broken reply can raise on the way (its text not decodable, an
+        # odd header): still the provider's fault, never the planner's. Not quoted: its
+        # text may hold the reply, and the reply may quote the key.
+        what = f"the reply could not be read ({type(exc).__name__})"
+        if delivered:
+            raise _partial(req.provider, what, None) from None
+        raise ModelError("unavailable", what, provider=req.provider, retryable=True) from None
     latency_ms = int((time.monotonic() - start) * 1000)
     return msgspec.structs.replace(reply, latency_ms=latency_ms)
 
@@ -144,7 +213,11 @@ def _shape(provider: str) -> Iterator[None]:
     provider's fault, like a garbled body: `unavailable`, worth another attempt."""
     try:
         yield
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+    except RecursionError:
+        raise ModelError("unavailable", "the reply does not have the API's shape (nested "
+                         "too deeply)", provider=provider, retryable=True) from None
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError,
+            msgspec.ValidationError) as exc:
         raise ModelError("unavailable", f"the reply does not have the API's shape "
                          f"({type(exc).__name__}: {clip(str(exc), 200)})", provider=provider,
                          retryable=True) from exc

@@ -467,11 +467,20 @@ async def test_a_tool_the_model_was_not_offered_is_refused_and_never_runs(
 
 async def test_toolbus_chat_prints_no_control_characters_a_model_sends(
         planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
-    model.script = [(200, reply("safe\x1b]0;owned\x07 text\x1b[2J\nline two"))]
+    model.script = [(200, reply("safe\x1b]0;owned\x07 text\x1b[2J\u009b2J\u202e"
+                                "\nline two"))]
     out = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "services.cli", "chat", "hi", "--session", sid,
                          "--nats", nats_url], capture_output=True, text=True, timeout=60,
         cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
-    assert out.stdout == "safe]0;owned text[2J\nline two\n"
+    assert out.stdout == "safe]0;owned text[2J2J\nline two\n"
+    # Nor does `toolbus replay` print them (the state in JSON included: JSON escapes C0,
+    # not C1 nor the bidirectional overrides).
+    replay = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "replay", sid, "--nats",
+                         nats_url], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert replay.returncode == 0, replay.stderr
+    assert "]0;owned" in replay.stdout
+    for bad in ("\x1b", "\x07", "\u009b", "\u202e"):
+        assert bad not in replay.stdout, bad

@@ -1,0 +1,233 @@
+"""A broken or hostile model server cannot crash, wedge or bloat a model call: whatever it
+sends, `complete` returns a reply every field of which is of its type (so the stored
+`model.responded` reads back), or raises a `ModelError` that quotes no key.
+
+The server is a real socket speaking raw HTTP/1.1, so it can send what no well-behaved
+server library would: bytes that are not UTF-8, JSON nested a thousand deep, a stream that
+never ends, a body larger than any reply should be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.llm import Message, ModelSettings, complete, transport
+from schemas.errors import ModelError
+from schemas.events import ModelResponded
+
+KEY = "sk-hostile-0123456789abcdef"
+Reply = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    def __init__(self) -> None:
+        self.reply: Reply | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            assert self.reply is not None
+            await self.reply(writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[RawServer, int]]:
+    raw = RawServer()
+    srv = await asyncio.start_server(raw._handle, "127.0.0.1", 0)
+    try:
+        yield raw, srv.sockets[0].getsockname()[1]
+    finally:
+        srv.close()
+
+
+def body(data: bytes, status: int = 200, ctype: str = "application/json") -> Reply:
+    async def send(w: asyncio.StreamWriter) -> None:
+        w.write(f"HTTP/1.1 {status} X\r\ncontent-type: {ctype}\r\ncontent-length: "
+                f"{len(data)}\r\nconnection: close\r\n\r\n".encode() + data)
+        await w.drain()
+    return send
+
+
+def events(chunks: list[bytes], *, every_s: float = 0.0, forever: bytes | None = None) -> Reply:
+    async def send(w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"connection: close\r\n\r\n")
+        for chunk in chunks:
+            w.write(chunk)
+            await w.drain()
+            await asyncio.sleep(every_s)
+        while forever is not None:
+            w.write(forever)
+            await w.drain()
+            await asyncio.sleep(every_s)
+    return send
+
+
+def sse(value: Any) -> bytes:
+    return b"data: " + json.dumps(value).encode() + b"\n\n"
+
+
+async def ask(port: int, provider: str = "openai", *, stream: bool = False,
+              timeout_s: float = 5.0) -> tuple[Any, list[Any]]:
+    settings = ModelSettings(provider=provider, model="m", api_key=KEY, max_retries=0,
+                             timeout_s=timeout_s, base_url=f"http://127.0.0.1:{port}")
+    deltas: list[Any] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    try:
+        return await complete(settings, system=None, messages=[Message(role="user",
+                                                                       text="hi")],
+                              tools=[], on_delta=on_delta if stream else None), deltas
+    except ModelError as exc:
+        assert KEY not in str(exc) and KEY not in repr(exc.__cause__)
+        return exc, deltas
+
+
+def chat(message: dict[str, Any], **top: Any) -> bytes:
+    return json.dumps({"id": "c1", "choices": [{"index": 0, "message": message,
+                                                "finish_reason": "stop"}], **top}).encode()
+
+
+@pytest.mark.parametrize(("reply", "words"), [
+    # Fields of the wrong type: refused, never stored as an event that cannot be read.
+    (chat({"content": 5}), "does not have the API's shape"),
+    (chat({"content": "x", "tool_calls": [{"id": 5, "function": {"name": "a__b",
+                                                                 "arguments": "{}"}}]}),
+     "does not have the API's shape"),
+    (chat({"content": ["x"]}), "does not have the API's shape"),
+    # Not JSON in any way it could be read.
+    (b"\xff\xfe not utf-8", "not JSON"),
+    (b"[" * 5000 + b"]" * 5000, "not JSON (nested too deeply)"),
+    # Too much of it.
+    (chat({"content": "x", "tool_calls": [
+        {"id": f"c{i}", "function": {"name": "a__b", "arguments": "{}"}}
+        for i in range(transport.MAX_CALLS_PER_REPLY + 1)]}), "tool calls in one reply"),
+    (chat({"content": "x", "tool_calls": [{"id": "c" * 600, "function": {
+        "name": "a__b", "arguments": "{}"}}]}), "over 512 characters"),
+])
+async def test_a_reply_the_planner_could_not_store_is_a_model_error(
+        server: tuple[RawServer, int], reply: bytes, words: str) -> None:
+    raw, port = server
+    raw.reply = body(reply)
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and got.kind == "unavailable", got
+    assert words in got.message
+
+
+async def test_arguments_nested_too_deeply_are_kept_as_not_json_for_the_model(
+        server: tuple[RawServer, int]) -> None:
+    # As any arguments that are not a JSON object: the planner refuses the call and tells
+    # the model, which sees what it sent.
+    raw, port = server
+    deep = "[" * 5000 + "]" * 5000
+    raw.reply = body(chat({"content": "x", "tool_calls": [{"id": "c", "function": {
+        "name": "a__b", "arguments": deep}}]}))
+    got, _ = await ask(port)
+    (call,) = got.tool_calls
+    assert call.arguments == {} and call.extra["invalid_arguments"] == deep
+
+
+async def test_odd_token_counts_count_as_none_and_the_answer_stores(
+        server: tuple[RawServer, int]) -> None:
+    raw, port = server
+    raw.reply = body(chat({"content": "fine"}, usage={"prompt_tokens": -5,
+                                                      "completion_tokens": 1e308}))
+    got, _ = await ask(port)
+    assert got.text == "fine" and (got.usage.input_tokens, got.usage.output_tokens) == (0, 0)
+    # What the planner stores of it reads back.
+    event = ModelResponded(session_id="s", at=0.0, actor="planner", turn_id="t",
+                           iteration=1, text=got.text, finish_reason=got.finish_reason,
+                           input_tokens=got.usage.input_tokens,
+                           output_tokens=got.usage.output_tokens)
+    assert msgspec.json.decode(msgspec.json.encode(event), type=ModelResponded) == event
+
+
+async def test_an_error_body_that_is_not_utf8_and_quotes_the_key_is_a_clean_error(
+        server: tuple[RawServer, int]) -> None:
+    raw, port = server
+    raw.reply = body(b'{"error": {"message": "bad key ' + KEY.encode() + b'\xff"}}',
+                     status=500)
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and got.status == 500 and KEY not in got.message
+
+
+async def test_a_reply_over_the_size_limit_is_refused(server: tuple[RawServer, int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "MAX_REPLY_BYTES", 100_000)
+    raw, port = server
+    raw.reply = body(chat({"content": "x" * 200_000}))
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and "over 100000 bytes" in got.message
+    # The same for a stream that goes on and on.
+    raw.reply = events([], forever=sse({"choices": [{"index": 0, "delta": {
+        "content": "y" * 1000}}]}))
+    got, deltas = await ask(port, stream=True)
+    assert isinstance(got, ModelError) and "over 100000 bytes" in got.message
+    assert got.kind == "partial_stream" and 50 < len(deltas) < 110
+
+
+async def test_a_stream_that_never_ends_ends_the_attempt_after_its_deadline(
+        server: tuple[RawServer, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each read is on time (a ping every 0.05 s, under timeout_s), so only the deadline
+    # of the whole attempt can end it.
+    monkeypatch.setattr(transport, "ATTEMPT_DEADLINE_FACTOR", 2)
+    raw, port = server
+    raw.reply = events([b"event: message_start\ndata: " + json.dumps({
+        "type": "message_start", "message": {"id": "m", "usage": {}}}).encode() + b"\n\n"],
+        every_s=0.05, forever=b'event: ping\ndata: {"type": "ping"}\n\n')
+    started = time.monotonic()
+    got, _ = await ask(port, "anthropic", stream=True, timeout_s=0.5)
+    assert isinstance(got, ModelError) and got.kind == "unavailable" and got.retryable
+    assert "no whole reply within 1 s (2 x timeout_s)" in got.message
+    assert 0.9 < time.monotonic() - started < 5
+
+
+async def test_many_small_fragments_cost_linear_time(server: tuple[RawServer, int]) -> None:
+    # A string grown fragment by fragment costs the square of its length: 100,000
+    # fragments of a call's arguments took seconds; joined at the end, a fraction of one.
+    n = 100_000
+    start = {"type": "content_block_start", "index": 0, "content_block": {
+        "type": "tool_use", "id": "t1", "name": "a__b", "input": {}}}
+    frag = {"type": "content_block_delta", "index": 0,
+            "delta": {"type": "input_json_delta", "partial_json": " "}}
+    raw, port = server
+    raw.reply = events([sse({"type": "message_start", "message": {"id": "m"}}), sse(start),
+                        sse(frag) * n, sse({"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "input_json_delta",
+                                                      "partial_json": '{"k": 1}'}}),
+                        sse({"type": "content_block_stop", "index": 0}),
+                        sse({"type": "message_delta", "delta": {"stop_reason": "tool_use"}}),
+                        sse({"type": "message_stop"})])
+    t = time.process_time()
+    got, _ = await ask(port, "anthropic", stream=True, timeout_s=30)
+    assert not isinstance(got, ModelError), got
+    assert got.tool_calls[0].arguments == {"k": 1}
+    assert time.process_time() - t < 10  # CPU; quadratic was minutes
+
+
+async def test_a_text_delta_that_is_not_text_is_never_handed_on(
+        server: tuple[RawServer, int]) -> None:
+    raw, port = server
+    raw.reply = events([sse({"type": "message_start", "message": {"id": "m"}}),
+                        sse({"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}),
+                        sse({"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": ["not", "text"]}})])
+    got, deltas = await ask(port, "anthropic", stream=True)
+    assert isinstance(got, ModelError) and deltas == []
