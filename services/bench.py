@@ -58,6 +58,7 @@ from schemas.ids import (
 )
 from schemas.state import fold
 from schemas.tools import pool_route
+from services.process import die_with_parent
 
 Op = Callable[[int], Awaitable[None]]
 
@@ -268,7 +269,9 @@ async def _server(nats_url: str | None, *, fsync: str) -> AsyncIterator[str]:
         yield nats_url
         return
     with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
-        server = EmbeddedServer(Path(tmp), port=free_port(), fsync=fsync).start()
+        server = EmbeddedServer(Path(tmp), port=free_port(), fsync=fsync)
+        server.preexec = die_with_parent  # not left running if this process is killed
+        server.start()
         try:
             yield server.url
         finally:
@@ -294,7 +297,7 @@ async def _system(nats_url: str | None, *up_args: str, fsync: str = "batch",
             proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
                 # The URL holds the actor's password: in the environment, not in argv.
                 [sys.executable, "-m", "services.cli", "up", *up_args],
-                stdout=subprocess.PIPE, stderr=errors, text=True,
+                stdout=subprocess.PIPE, stderr=errors, text=True, preexec_fn=die_with_parent,
                 env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "NATS_URL": url},
             )
             try:
@@ -348,7 +351,7 @@ async def _session_actors(url: str, count: int) -> AsyncIterator[None]:
         for i in range(count):
             proc = subprocess.Popen(  # noqa: ASYNC220 - before anything is measured
                 [sys.executable, "-m", "services.cli", "actor", "session",
-                 "--instance", f"bench-{i + 2}"],
+                 "--instance", f"bench-{i + 2}"], preexec_fn=die_with_parent,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "NATS_URL": url})
             procs.append(proc)
@@ -488,7 +491,8 @@ async def _sample_server(module: str, what: str,
     port = free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
         [sys.executable, "-m", f"services.{module}", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+        preexec_fn=die_with_parent)
     try:
         await _until_listening(port, proc, what)
         yield port

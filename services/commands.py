@@ -46,7 +46,7 @@ try:
         load_manifest,
         nats_url_for,
     )
-    from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE
+    from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE, terminable
     from services.process import run as _run
 except KeyboardInterrupt:
     sys.stderr.write("toolbus: interrupted while starting\n")
@@ -385,32 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_approvals(url, args))
             case "approve" | "deny":
                 return _run(_decide(url, args))
-            case "bench" if args.what == "mcp":
-                from services.bench import bench_mcp
-                return _run(bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
-                                      fsync=args.fsync, json_out=args.json,
-                                      workers=args.workers))
             case "bench" if args.what == "validation":
                 from services.bench import bench_validation
                 return bench_validation(json_out=args.json)
-            case "bench" if args.what == "replay":
-                from services.bench import bench_replay
-                return _run(bench_replay(args.nats, events=args.events, fsync=args.fsync,
-                                         json_out=args.json))
-            case "bench" if args.what == "agent":
-                from services.bench import bench_agent
-                return _run(bench_agent(n=args.n, turns=args.turns or 100, fsync=args.fsync,
-                                        json_out=args.json, workers=args.workers))
-            case "bench" if args.what == "compress":
-                from services.bench import bench_compress
-                return _run(bench_compress(n=args.n, fsync=args.fsync, json_out=args.json,
-                                           workers=args.workers))
             case "bench":
-                from services.bench import bench_calls
-                return _run(bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
-                                        turns=args.turns or 1000, fsync=args.fsync,
-                                        json_out=args.json, workers=args.workers,
-                                        session_actors=args.session_actors))
+                # Cancelled by SIGTERM as by Ctrl-C: the servers and toolbus a benchmark
+                # started are stopped, and its temporary folders removed.
+                return _run(terminable(_bench(args)))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
@@ -469,6 +450,30 @@ def _printable(text: object) -> str:
     prompt-injected model must not drive the terminal with escape sequences, nor hide or
     reorder what it shows."""
     return str(strip_controls(str(text)))
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from services import bench
+
+    match args.what:
+        case "mcp":
+            return await bench.bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
+                                         fsync=args.fsync, json_out=args.json,
+                                         workers=args.workers)
+        case "replay":
+            return await bench.bench_replay(args.nats, events=args.events, fsync=args.fsync,
+                                            json_out=args.json)
+        case "agent":
+            return await bench.bench_agent(n=args.n, turns=args.turns or 100,
+                                           fsync=args.fsync, json_out=args.json,
+                                           workers=args.workers)
+        case "compress":
+            return await bench.bench_compress(n=args.n, fsync=args.fsync, json_out=args.json,
+                                              workers=args.workers)
+    return await bench.bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
+                                   turns=args.turns or 1000, fsync=args.fsync,
+                                   json_out=args.json, workers=args.workers,
+                                   session_actors=args.session_actors)
 
 
 async def _chat(url: str, args: argparse.Namespace) -> int:

@@ -31,6 +31,41 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(coro)
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+async def terminable(coro: Coroutine[Any, Any, int]) -> int:
+    """`coro`, cancelled by SIGTERM as by Ctrl-C, so that the processes and files it
+    started are stopped and removed by its own `finally` blocks instead of left behind
+    (`timeout`, a CI job's end and `kill` send SIGTERM). Then 143, as a shell reports it."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    termed = False
+
+    def on_term() -> None:
+        nonlocal termed
+        termed = True
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+    except (NotImplementedError, RuntimeError):  # no signal handlers here (Windows)
+        return await task
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if termed and task.cancelled():
+            # A turn of the loop for the tasks its cleanup cancelled (nats-py's
+            # subscriptions) to end, before the loop goes.
+            for _ in range(3):
+                await asyncio.sleep(0)
+            print("toolbus: terminated", file=sys.stderr)
+            return EXIT_TERMINATED
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def die_with_parent() -> None:
     """Linux: get SIGTERM when the parent dies, even by SIGKILL, instead of lingering.
 

@@ -301,3 +301,73 @@ async def test_toolbus_up_fsync_always_reaches_the_embedded_server(tmp_path: Pat
             await nc.close()
     finally:
         assert up.stop() == 0
+
+
+# --- a benchmark stopped halfway ----------------------------------------------------------
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent]
+        out += children
+        frontier += children
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the children")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_benchmark_killed_halfway_leaves_no_process_running(sig: str,
+                                                              tmp_path: Path) -> None:
+    # `timeout`, a CI job's end and `kill` send SIGTERM: the benchmark stops what it started
+    # and removes its folders, as on Ctrl-C. Killed outright, its servers still go (they
+    # get SIGTERM when it dies).
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import REPO, toolbus_cmd
+
+    env = {**__import__("os").environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(toolbus_cmd("bench", "agent", "--n", "100000"), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_descendants(proc.pid)) < 4:  # model server, nats-server, up, worker
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.2)
+        time.sleep(2)  # measuring by now
+        children = _descendants(proc.pid)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == (143 if sig == "SIGTERM" else -9), err
+        if sig == "SIGTERM":
+            assert err.strip().endswith("toolbus: terminated"), err
+            assert "Traceback" not in err and "destroyed" not in err, err
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in children if _alive(p)]
+        if sig == "SIGTERM":
+            assert not list(tmp_path.iterdir())  # its temporary folders are gone
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
