@@ -30,6 +30,13 @@ def check_session_id(value: object) -> str:
     return value
 
 
+def check_agent_name(value: object) -> str:
+    if not is_token(value):
+        raise InvalidIdError("agent name", value, TOKEN_RULE)
+    assert isinstance(value, str)
+    return value
+
+
 def check_namespace(value: object) -> str:
     if not is_token(value):
         raise InvalidIdError("tool namespace", value, TOKEN_RULE)

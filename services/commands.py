@@ -36,7 +36,7 @@ try:
         encode_event,
         summarize,
     )
-    from schemas.ids import check_session_id, check_tool_name
+    from schemas.ids import check_agent_name, check_session_id, check_tool_name
     from schemas.requests import strip_controls
     from schemas.state import SessionState, encode_state, fold
     from services.config import (
@@ -483,7 +483,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
 
     session = check_session_id(args.session) if args.session else f"chat-{uuid.uuid4().hex[:12]}"
     if args.agent is not None:
-        check_session_id(args.agent)  # the same token rule
+        check_agent_name(args.agent)
     bus = await connect(url, name="toolbus-chat")
     client = ToolbusClient(bus)
     streamed = [False]

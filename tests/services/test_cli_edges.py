@@ -36,12 +36,15 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("bench", "mcp", "--session-actors", "2"),
      "bench mcp: not used here: --session-actors"),
     (("state", "no.dots"), "invalid session id 'no.dots'"),
+    (("chat", "hi", "--session", "a b"), "invalid session id 'a b'"),
+    (("chat", "hi", "--agent", "bad agent"), "invalid agent name 'bad agent'"),
+    (("chat", "hi", "--timeout", "nan"), "argument --timeout: nan is not a positive"),
     (("tools", "show"), "tools show needs a NAME"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
                                             tmp_path: Path) -> None:
     out = run_toolbus(*args, "--data-dir", str(tmp_path)) if args[0] in (
-        "call", "replay", "state", "tools") else run_toolbus(*args)
+        "call", "replay", "state", "tools", "chat") else run_toolbus(*args)
     assert out.returncode == 2, out.stderr
     assert says in _one_clear_line(out)
 
@@ -50,6 +53,7 @@ def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
     ("call", "built-in:echo", "{}"), ("replay", "s1"), ("state", "s1"), ("tools",),
     ("executors",), ("approvals",), ("approve", "c1", "--session", "s1"),
     ("deny", "c1", "--session", "s1", "--reason", "no"), ("tools", "remove", "x:y"),
+    ("chat", "hi"),
 ])
 def test_every_client_command_without_a_server_says_how_to_start_one(
         args: tuple[str, ...], tmp_path: Path) -> None:
