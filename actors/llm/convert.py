@@ -74,9 +74,6 @@ class WireMemo:
     def keep(self, messages: Iterable[Message]) -> None:
         self._kept += messages
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     def assemble(self, fmt: str, messages: Sequence[Message],
                  start: Callable[[], Assembly]) -> Assembly:
         """An assembly of `messages` in `fmt`, its start taken from the memo."""
