@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,7 +72,13 @@ from schemas.errors import (
 )
 from schemas.ids import TOKEN_RULE, check_session_id, is_token
 from schemas.policy import HumanDecision, PendingApproval
-from schemas.requests import MAX_IDEMPOTENCY_KEY_CHARS, decode_json, parse_tool_event
+from schemas.requests import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    decode_json,
+    is_tool_event,
+    parse_request,
+    parse_tool_event,
+)
 from schemas.state import SessionState, encode_state
 
 log = logging.getLogger("toolbus.gateway")
@@ -292,7 +299,8 @@ class Failure(pydantic.BaseModel):
     error: str = pydantic.Field(description="what was wrong and what to do")
     code: str | None = pydantic.Field(
         None, description="from the bus: invalid, not_found, conflict, too_large, "
-                          "unavailable, internal; for a tool event, why it was refused: "
+                          "unavailable, internal; for a request or a tool event, why it was "
+                          "refused: "
                           "invalid_request, malformed_json, payload_too_large, no_planner")
 
 
@@ -493,6 +501,15 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         except InvalidIdError as exc:
             return _error(400, str(exc))
         body, parsed = await _json_body(request)
+        if not is_tool_event(body):
+            # A body that can never be a request is refused here, at once, with what is
+            # wrong, and nothing is submitted. Its size and number of calls are left to
+            # the session actor, whose limits are its own settings (a stored rejection).
+            try:
+                parse_request(body, max_bytes=len(body), max_calls=sys.maxsize)
+            except InvalidRequestError as exc:
+                return JSONResponse({"ok": False, "error": exc.message, "code": exc.reason},
+                                    status_code=400)
         request_id = parsed.get("request_id") if isinstance(parsed, dict) else None
         if not isinstance(request_id, str):
             request_id = uuid.uuid4().hex

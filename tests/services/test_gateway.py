@@ -258,6 +258,29 @@ async def test_a_deeply_nested_or_oversized_body_is_a_4xx_and_submits_nothing(
     assert [t.request_id for t in of_type(events, "turn.requested")] == ["good"]
 
 
+async def test_a_body_that_can_never_be_a_request_is_a_400_naming_why_and_submits_nothing(
+        web: Web, bus: Bus, sid: str) -> None:
+    bad = [([1, 2], "request must be a JSON object, got an array"),
+           ({"calls": 3}, "calls must be a list of calls, got a number"),
+           ({"message": "  "}, "message must be a non-empty string"),
+           ({"request_id": "r", "colls": []}, "unknown field(s) colls")]
+    async with web.as_role("client") as c:
+        for body, why in bad:
+            got = await c.post(f"/sessions/{sid}/requests", json=body)
+            assert got.status_code == 400, (body, got.text)
+            assert got.json()["ok"] is False and got.json()["code"] == "invalid_request"
+            assert why in got.json()["error"], (body, got.json())
+        # A request the session refuses for what only it knows (here: its tool is not in
+        # the catalog) is still accepted here, and its refusal is stored in the session.
+        sent = await c.post(f"/sessions/{sid}/requests", json={
+            "request_id": "unknown", "calls": [{"tool": "nowhere:none", "arguments": {}}]})
+        assert sent.status_code == 202, sent.text
+    events = await _ended(bus, sid)
+    assert [t.request_id for t in of_type(events, "turn.requested")] == ["unknown"]
+    assert not of_type(events, "request.rejected")  # the bad bodies never reached the bus
+    assert [r.call_id for r in of_type(events, "call.rejected")] == ["unknown-0"]
+
+
 async def test_state_keeps_full_and_its_headers(web: Web, bus: Bus, sid: str) -> None:
     async with web.as_role("client") as c:
         sent = await c.post(f"/sessions/{sid}/requests", json={
