@@ -22,6 +22,7 @@ import httpx
 import msgspec
 from httpx_sse import EventSource, SSEError
 
+from actors.llm.convert import stable_id
 from actors.llm.retry import clip, http_error, redact
 from actors.llm.types import ModelResponse
 from schemas.errors import ModelError
@@ -105,7 +106,29 @@ def checked(reply: ModelResponse) -> ModelResponse:
     for call in reply.tool_calls:
         if len(call.id) > MAX_CALL_ID_CHARS or len(call.name) > MAX_CALL_ID_CHARS:
             raise ValueError(f"a tool call id or name over {MAX_CALL_ID_CHARS} characters")
-    return reply
+    return _with_unique_ids(reply)
+
+
+def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
+    """`reply` with an id of its own for each call: a call with no id, or with the id of
+    a call before it in the reply, gets a deterministic new one. The ids go back to the
+    provider with the results, and every API refuses a conversation whose results do not
+    answer its calls one to one (a server that repeats ids would end the next request in
+    a 400 that names nothing the user did)."""
+    seen: set[str] = set()
+    calls = list(reply.tool_calls)
+    changed = False
+    for i, call in enumerate(calls):
+        call_id = call.id
+        n = 0
+        while not call_id or call_id in seen:
+            call_id = stable_id("call", reply.response_id, i, n, call.name, call.id)
+            n += 1
+        seen.add(call_id)
+        if call_id != call.id:
+            calls[i] = msgspec.structs.replace(call, id=call_id)
+            changed = True
+    return msgspec.structs.replace(reply, tool_calls=calls) if changed else reply
 
 
 def _count(value: Any) -> int:

@@ -170,6 +170,26 @@ async def test_a_turn_with_two_parallel_calls_then_an_answer(
     assert len(model.received) == before
 
 
+async def test_calls_the_model_gave_one_id_are_answered_one_to_one(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    # A server that repeats an id (some compatible servers do): each call still gets an id
+    # of its own, so the next request answers every call exactly once.
+    model.script = [
+        (200, reply(calls=[("call_x", "built-in__echo", {"text": "a"}),
+                           ("call_x", "built-in__echo", {"text": "b"})])),
+        (200, reply("Both echoed.")),
+    ]
+    end = await client.ask(sid, "Echo a and b.")
+    assert isinstance(end, TurnCompleted) and end.text == "Both echoed.", end
+    second = model.received[1]["messages"]
+    (asked,) = [m for m in second if m["role"] == "assistant"]
+    call_ids = [c["id"] for c in asked["tool_calls"]]
+    answers = [(m["tool_call_id"], json.loads(m["content"])) for m in second
+               if m["role"] == "tool"]
+    assert call_ids[0] == "call_x" and len(set(call_ids)) == 2
+    assert answers == [(call_ids[0], {"text": "a"}), (call_ids[1], {"text": "b"})]
+
+
 async def test_invalid_arguments_go_back_to_the_model_with_every_violation(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     model.script = [

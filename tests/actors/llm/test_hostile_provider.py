@@ -231,3 +231,38 @@ async def test_a_text_delta_that_is_not_text_is_never_handed_on(
                              "delta": {"type": "text_delta", "text": ["not", "text"]}})])
     got, deltas = await ask(port, "anthropic", stream=True)
     assert isinstance(got, ModelError) and deltas == []
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic", "openai-responses"])
+async def test_calls_that_repeat_an_id_or_have_none_get_ids_of_their_own(
+        server: tuple[RawServer, int], provider: str) -> None:
+    # Every API pairs each result with its call by id: a reply that repeats one would make
+    # the next request one the provider refuses, for nothing the user did.
+    raw, port = server
+    ids = ["same", "same", "", "same"]
+    if provider == "openai":
+        raw.reply = body(chat({"content": None, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "a__b", "arguments": "{}"}}
+            for i in ids]}))
+    elif provider == "anthropic":
+        raw.reply = body(json.dumps({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "stop_reason": "tool_use", "usage": {"input_tokens": 1, "output_tokens": 1},
+            "content": [{"type": "tool_use", "id": i, "name": "a__b", "input": {}}
+                        for i in ids]}).encode())
+    else:
+        raw.reply = body(json.dumps({
+            "id": "resp_1", "object": "response", "status": "completed", "model": "m",
+            "usage": {"input_tokens": 1, "output_tokens": 1},
+            "output": [{"type": "function_call", "id": f"fc_{n}", "call_id": i,
+                        "name": "a__b", "arguments": "{}"} for n, i in enumerate(ids)]
+        }).encode())
+    got, _ = await ask(port, provider)
+    assert not isinstance(got, ModelError), got
+    first = [c.id for c in got.tool_calls]
+    assert len(first) == 4 and len(set(first)) == 4 and all(first)
+    assert first[0] == "same"  # the first of an id keeps it
+    # Deterministic: the same reply gives the same ids (replay never asks again, but a
+    # reply read twice must not differ).
+    again, _ = await ask(port, provider)
+    assert [c.id for c in again.tool_calls] == first
