@@ -101,7 +101,10 @@ _KEYLIKE: Final = re.compile(
 
 
 def redact(text: str, key: str | None) -> str:
-    """`text` without the key, nor anything shaped like one."""
+    """`text` without the key, nor anything shaped like one. Invisible characters go
+    first: a key with one inside would otherwise pass here, and be whole again once
+    `clip` strips them."""
+    text = str(strip_controls(text))
     if key:
         text = text.replace(key, "[redacted]")
     return _KEYLIKE.sub("[redacted]", text)

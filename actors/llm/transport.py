@@ -131,6 +131,62 @@ def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
     return msgspec.structs.replace(reply, tool_calls=calls) if changed else reply
 
 
+# A key shorter than this is a placeholder a local server ignores ("ollama", "EMPTY",
+# "sk-no-key-required"), not a secret: a reply saying the word is not refused for it.
+# Real keys are far longer (OpenAI's and Anthropic's 50 and more, Gemini's 39).
+MIN_GUARDED_KEY_CHARS: Final = 20
+
+
+def _guarded(key: str | None) -> str:
+    return key if key and len(key) >= MIN_GUARDED_KEY_CHARS else ""
+
+
+def _quotes_key(provider: str) -> ModelError:
+    return ModelError("unavailable", "the reply quotes the API key; it is refused, so that "
+                      "the key is never shown or stored", provider=provider, retryable=True)
+
+
+def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> None:
+    """A reply quoting the key (text, a call's arguments, anything stored of it) is refused:
+    whatever the provider sends is stored in an event, and events never hold a secret."""
+    key = _guarded(key)
+    if key and key in msgspec.json.encode(reply).decode():
+        raise _quotes_key(provider)
+
+
+class _KeyGuard:
+    """Text deltas, shown live before the reply is whole, with the key never among them:
+    the end of what came so far that could be the start of the key is held back until the
+    next delta tells (or the stream ends); the key itself ends the attempt."""
+
+    def __init__(self, key: str | None) -> None:
+        self._key = _guarded(key)
+        self._held = ""
+
+    def feed(self, delta: str, provider: str) -> str:
+        key = self._key
+        if not key:
+            return delta
+        text = self._held + delta
+        if key in text:
+            raise _quotes_key(provider)
+        # The longest end of `text` that the key starts with: it starts with the key's
+        # first character, within the last len(key) - 1 characters.
+        cut = len(text)
+        at = text.find(key[0], max(0, len(text) - len(key) + 1))
+        while at != -1:
+            if key.startswith(text[at:]):
+                cut = at
+                break
+            at = text.find(key[0], at + 1)
+        self._held = text[cut:]
+        return text[:cut]
+
+    def rest(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
 def _count(value: Any) -> int:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**53
     return int(value) if ok else 0
@@ -165,6 +221,7 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                 body = await _read_clipped(response)
                 raise http_error(req.provider, response.status_code, response.headers, body,
                                  key)
+            guard = _KeyGuard(key)
             if req.stream is None:
                 data = decode_json(await _read_bounded(response, req.provider), req.provider)
                 with _shape(req.provider):
@@ -188,13 +245,20 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                         with _shape(req.provider):
                             delta = decoder.feed(sse.event, sse.data)
                         if delta and on_delta is not None:
-                            delivered = True
-                            await on_delta(delta)
+                            delta = guard.feed(delta, req.provider)
+                            if delta:
+                                delivered = True
+                                await on_delta(delta)
                 if not decoder.complete:
                     raise ModelError("unavailable", "the stream ended before its last event",
                                      provider=req.provider, retryable=True)
                 with _shape(req.provider):
                     reply = checked(decoder.result())
+            _refuse_quoted_key(reply, key, req.provider)
+            rest = guard.rest()
+            if rest and on_delta is not None:
+                delivered = True
+                await on_delta(rest)
     except TimeoutError as exc:  # the attempt's deadline, not a read's (httpx's own)
         what = (f"no whole reply within {deadline:g} s ({ATTEMPT_DEADLINE_FACTOR} x "
                 f"timeout_s)")

@@ -15,10 +15,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 
 from actors.llm import Message, ModelSettings, complete, transport
+from actors.llm.retry import http_error
 from schemas.errors import ModelError
 from schemas.events import ModelResponded
 
@@ -266,3 +268,80 @@ async def test_calls_that_repeat_an_id_or_have_none_get_ids_of_their_own(
     # reply read twice must not differ).
     again, _ = await ask(port, provider)
     assert [c.id for c in again.tool_calls] == first
+
+
+def chat_stream(pieces: list[str]) -> Reply:
+    """An OpenAI chat stream whose text comes in `pieces`, then its end."""
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    return events([sse({**head, "choices": [{"index": 0, "delta": {"content": p},
+                                             "finish_reason": None}]}) for p in pieces]
+                  + [sse({**head, "choices": [{"index": 0, "delta": {},
+                                               "finish_reason": "stop"}]}),
+                     b"data: [DONE]\n\n"])
+
+
+async def test_a_key_the_server_streams_back_is_never_shown_nor_stored(
+        server: tuple[RawServer, int]) -> None:
+    # One character at a time, after some text: nothing of it reaches the watchers.
+    raw, port = server
+    raw.reply = chat_stream(["Your key is ", *KEY, " ok"])
+    got, deltas = await ask(port, stream=True)
+    assert isinstance(got, ModelError) and "quotes the API key" in got.message, got
+    shown = "".join(deltas)
+    assert shown == "Your key is " and KEY[:2] not in shown
+
+
+async def test_text_that_only_looks_like_the_start_of_the_key_is_shown_whole(
+        server: tuple[RawServer, int]) -> None:
+    raw, port = server
+    text = ["ask ", "sk-", "hostile", " questions, s", "k-ho"]  # prefixes of the key
+    raw.reply = chat_stream(text)
+    got, deltas = await ask(port, stream=True)
+    assert not isinstance(got, ModelError), got
+    assert "".join(deltas) == "".join(text) == got.text
+
+
+@pytest.mark.parametrize("reply", [
+    chat({"content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "a__b", "arguments": json.dumps({"note": f"use {KEY}"})}}]}),
+    chat({"content": f"the key: {KEY}"}),
+])
+async def test_a_reply_that_quotes_the_key_is_refused(
+        server: tuple[RawServer, int], reply: bytes) -> None:
+    raw, port = server
+    raw.reply = body(reply)
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and got.kind == "unavailable" and got.retryable
+    assert "quotes the API key" in got.message and KEY not in got.message
+
+
+async def test_a_key_split_by_an_invisible_character_in_an_error_is_still_redacted(
+        server: tuple[RawServer, int]) -> None:
+    # clip() strips invisible characters: were that done after the redaction, the key
+    # would come out whole. Each error is built redacted (`http_error` here), and
+    # `complete` checks the message once more on its way out.
+    raw, port = server
+    split = KEY[:6] + "\u200b" + KEY[6:]
+    error_body = json.dumps({"error": {"message": f"bad key {split}"}}).encode()
+    built = http_error("openai", 401, httpx.Headers(), error_body, KEY)
+    assert KEY not in built.message and "[redacted]" in built.message, built.message
+    raw.reply = body(error_body, status=401)
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and got.status == 401, got
+    assert KEY not in got.message and KEY[6:] not in got.message, got.message
+
+
+async def test_a_placeholder_key_a_local_server_ignores_does_not_censor_the_answer(
+        server: tuple[RawServer, int]) -> None:
+    raw, port = server
+    raw.reply = chat_stream(["Run it with ", "ollama", "."])
+    settings = ModelSettings(provider="openai", model="m", api_key="ollama", max_retries=0,
+                             base_url=f"http://127.0.0.1:{port}")
+    shown: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        shown.append(text)
+
+    got = await complete(settings, system=None, messages=[Message(role="user", text="hi")],
+                         tools=[], on_delta=on_delta)
+    assert got.text == "".join(shown) == "Run it with ollama."
