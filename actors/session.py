@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -85,6 +85,7 @@ from schemas.events import (
 from schemas.ids import (
     AUTO_REQUEST_PREFIX,
     SYSTEM_SESSION,
+    TOOL_EVENT_PREFIX,
     call_id_for,
     call_requested_id,
     call_terminal_id,
@@ -389,8 +390,11 @@ def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: f
 
 
 def reject_request(subject: str, data: bytes, request_seq: int, reason: str, message: str,
-                   *, now: float) -> Append:
-    """The stored rejection of a request that cannot be accepted."""
+                   *, now: float, headers: Mapping[str, str] | None = None) -> Append:
+    """The stored rejection of a request that cannot be accepted. It names the request's
+    id, from its body, or (a body too large or too broken to read it from) from the
+    message id a client publishes it with (`client_request_id`), so that the client
+    waiting for it hears of it at once."""
     rest = subject[len(REQUESTS_PREFIX) + 1:]
     sid, _, part = rest.rpartition(".")
     if part.isdigit():
@@ -399,8 +403,8 @@ def reject_request(subject: str, data: bytes, request_seq: int, reason: str, mes
         sid = rest  # not as the stream stores requests: the whole rest is quoted
     own = is_token(sid)
     # A tool event's rejection names the event its key would have made, for its sender.
-    rid = (_tool_event_id_of(sid, data) if is_tool_event(data) else _request_id_of(data)) \
-        if own else None
+    rid = (_tool_event_id_of(sid, data) if is_tool_event(data) else
+           _request_id_of(data) or _request_id_of_header(sid, headers)) if own else None
     # The system session is shared: a body that names no usable session is not quoted
     # there (it may hold someone's secrets), only measured.
     event = RequestRejected(session_id=sid if own else SYSTEM_SESSION, at=now,
@@ -754,7 +758,7 @@ class SessionActor:
 
     def _reject_request(self, delivery: Delivery, reason: str, message: str) -> list[Append]:
         return [reject_request(delivery.subject, delivery.data, delivery.stream_seq, reason,
-                               message, now=self._clock())]
+                               message, now=self._clock(), headers=delivery.headers)]
 
     # -- state queries
 
@@ -796,6 +800,18 @@ def _tool_event_id_of(sid: str, data: bytes) -> str | None:
         return None
     clean = strip_controls(key)
     return tool_event_id(sid, clean) if clean.strip() else None
+
+
+def _request_id_of_header(sid: str, headers: Mapping[str, str] | None) -> str | None:
+    """The request id in a message id `<sid>:<request_id>` (as `ToolbusClient.submit`
+    sends it), if it is one a body could have given."""
+    msg_id = (headers or {}).get(Header.MSG_ID.value)
+    if not isinstance(msg_id, str) or not msg_id.startswith(f"{sid}:"):
+        return None
+    rid = msg_id[len(sid) + 1:]
+    ok = 0 < len(rid) <= 256 and strip_controls(rid) == rid and rid.strip() == rid and \
+        not rid.startswith((AUTO_REQUEST_PREFIX, TOOL_EVENT_PREFIX))
+    return rid if ok else None
 
 
 def _request_id_of(data: bytes) -> str | None:

@@ -86,6 +86,17 @@ async def test_an_oversized_payload_is_a_stored_rejection(bus: Bus, client, sid:
     assert rej.reason == "payload_too_large" and str(len(big)) in rej.message
 
 
+async def test_a_client_hears_at_once_of_its_request_refused_as_too_large(
+        client: ToolbusClient, sid: str) -> None:
+    # Too large to be read, the body cannot name its request id: the rejection takes it
+    # from the message id the client published it with, so the caller is not left to
+    # wait out its timeout.
+    calls = [{"tool": "built-in:echo", "arguments": {"text": "x" * 300_000}}]
+    end = await asyncio.wait_for(client.call(sid, calls, request_id="big-1", timeout=60), 20)
+    assert isinstance(end, RequestRejected) and end.reason == "payload_too_large", end
+    assert end.request_id == "big-1"
+
+
 async def test_a_bad_session_id_is_a_stored_rejection_under_the_system_session(
     bus: Bus, client, sid: str
 ) -> None:
