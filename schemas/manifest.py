@@ -416,7 +416,7 @@ ToolGlob = Annotated[str, pydantic.AfterValidator(_tool_glob)]
 
 def _json_schema(v: dict[str, Any]) -> dict[str, Any]:
     try:
-        jsonschema_rs.validator_for(v)
+        jsonschema_rs.validator_for(v, offline=True)
     except (jsonschema_rs.ValidationError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"not a valid JSON Schema: {first}") from exc

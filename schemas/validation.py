@@ -52,9 +52,17 @@ class Validator:
 
     def __init__(self, schema: dict[str, Any]) -> None:
         try:
-            self._rs = jsonschema_rs.validator_for(schema, validate_formats=True)
+            # Offline: a `$ref` to anything outside the schema (http://, file://) is an
+            # error, never fetched. Schemas come from clients, MCP servers and model-facing
+            # manifests: fetching would let any of them make toolbus read local files or
+            # reach hosts on its network, and stall whoever compiles the schema.
+            self._rs = jsonschema_rs.validator_for(schema, validate_formats=True,
+                                                   offline=True)
         except (jsonschema_rs.ValidationError, ValueError, TypeError) as exc:
-            raise ConfigError(f"invalid JSON Schema: {exc}") from exc
+            # Its first line: the rest repeats the schema and the instance.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                type(exc).__name__
+            raise ConfigError(f"invalid JSON Schema: {first}") from exc
         self.schema = schema
         self._fill = _compile_filler(schema)
 

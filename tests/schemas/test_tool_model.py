@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.errors import ConfigError, ManifestError
+from schemas.errors import ConfigError, InvalidRequestError, ManifestError
 from schemas.manifest import parse_manifest
 from schemas.providers import (
     GEMINI_SCHEMA_KEYS,
@@ -65,6 +65,21 @@ def test_defaults_are_filled_in_without_touching_the_callers_dict() -> None:
 def test_an_unusable_schema_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="invalid JSON Schema"):
         Validator({"type": "no-such-type"})
+
+
+@pytest.mark.parametrize("ref", ["http://127.0.0.1:9/schema.json", "file:///etc/passwd"])
+def test_a_schema_that_refers_outside_itself_is_refused_never_fetched(ref: str) -> None:
+    # A client's think schema, an MCP server's tool or a manifest may say this: fetching
+    # would read local files and reach hosts on toolbus's network, from its event loop.
+    with pytest.raises(ConfigError, match="Retrieval is disabled"):
+        Validator({"type": "object", "properties": {"a": {"$ref": ref}}})
+    with pytest.raises(InvalidRequestError, match="Retrieval is disabled") as info:
+        parse_request(b'{"message": "hi", "think": {"id": "a", "instruction": "x", '
+                      b'"output_schema": {"$ref": "' + ref.encode() + b'"}}}')
+    assert "\n" not in str(info.value)
+    # What a schema holds itself, and the meta-schemas, still resolve.
+    local = Validator({"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a"})
+    assert local.violations("x") == [] and local.violations(1)
 
 
 def test_a_spec_round_trips_through_its_json_schema_form() -> None:
