@@ -59,6 +59,22 @@ HttpMethod = Literal["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"]
 BUILTIN_NAMES = ("echo", "current_time")
 
 
+
+def usable_key(value: str | None) -> str | None:
+    """An API key as it can go in an HTTP header: the spaces and line ends around it (a
+    key read from a file) dropped, None for an empty one. A key holding anything else no
+    header may carry is refused, without quoting it: sent, it would fail every request,
+    and the HTTP library's error would quote it in full."""
+    if value is None:
+        return None
+    key = value.strip()
+    if any(not 0x21 <= ord(c) <= 0x7E for c in key):
+        raise ValueError("the key holds a space, a line break, a control or a non-ASCII "
+                         "character, which no HTTP header may carry (a file with CRLF "
+                         "line ends?); its value is not shown")
+    return key or None
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -154,7 +170,8 @@ class GitConfig(_Model):
 
 class WebSearchConfig(_Model):
     provider: Literal["tavily"] = "tavily"
-    api_key: str | None = None  # else the provider's variable (TAVILY_API_KEY)
+    # Else the provider's variable (TAVILY_API_KEY).
+    api_key: Annotated[str | None, pydantic.AfterValidator(lambda v: usable_key(v))] = None
     base_url: str = "https://api.tavily.com"
     max_results: Annotated[int, Field(gt=0, le=20)] = 5
     timeout_ms: Annotated[int, Field(gt=0)] = 15_000
@@ -199,7 +216,7 @@ class McpServerConfig(_Model):
     hostname: str | None = None  # with scheme, host only: http://cars-mcp
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
     path: str | None = None  # default /mcp (/sse for SSE)
-    api_key: str | None = None  # sent as Authorization: Bearer
+    api_key: Annotated[str | None, pydantic.AfterValidator(lambda v: usable_key(v))] = None
     headers: dict[str, str] = {}
     # stdio
     command: str | None = None
@@ -478,7 +495,7 @@ class ModelConfig(_Model):
     @field_validator("api_key")
     @classmethod
     def _no_empty_key(cls, v: str | None) -> str | None:
-        return v or None
+        return usable_key(v)
 
 
 class LimitsConfig(_Model):

@@ -106,7 +106,11 @@ def redact(text: str, key: str | None) -> str:
     `clip` strips them."""
     text = str(strip_controls(text))
     if key:
-        text = text.replace(key, "[redacted]")
+        # Also as a library quotes it in its errors, escaped: b'Bearer sk-a\\nb'.
+        for form in {key, str(strip_controls(key)), repr(key)[1:-1],
+                     repr(key.encode(errors="replace"))[2:-1]}:
+            if form:
+                text = text.replace(form, "[redacted]")
     return _KEYLIKE.sub("[redacted]", text)
 
 

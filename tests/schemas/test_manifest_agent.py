@@ -161,6 +161,23 @@ def test_a_key_written_in_the_manifest_is_refused(text: str, path: str) -> None:
     assert "${VAR_NAME}" in message and "sk-live-123" not in message
 
 
+def test_a_key_read_from_a_file_loses_its_line_end_and_a_broken_one_is_refused_unquoted(
+        ) -> None:
+    got = parse_manifest(f"agent_config: {{{MODEL}}}", env={"OPENAI_API_KEY": "sk-abc\r\n"})
+    assert got.agent_config is not None and got.agent_config.model is not None
+    assert got.agent_config.model.api_key == "sk-abc"
+    got = parse_manifest(SEED_MCPS, env={"CRM_MCP_KEY": " crm-key \n"})
+    assert got.agent_config is not None
+    assert [m.api_key for m in got.agent_config.mcps] == [None, "crm-key"]
+    # Inside the key, no header may carry it: every request would fail, and the HTTP
+    # library's error would quote it whole.
+    for broken in ("sk-NL\nSECRET-9", "sk-two words", "sk-\x00nul", "sk-clé"):
+        message = problems_of(f"agent_config: {{{MODEL}}}", OPENAI_API_KEY=broken)
+        assert "agent_config.model.api_key: " in message and "no HTTP header" in message
+        assert all(part not in message for part in ("SECRET", "words", "nul", "clé")), \
+            message
+
+
 def test_a_missing_variable_is_named_with_its_key_path() -> None:
     message = problems_of(f"agent_config: {{{MODEL}}}")
     assert "agent_config.model.api_key: ${OPENAI_API_KEY} is not set in the environment" \

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from actors.llm import Message, ModelSettings, complete, transport
-from actors.llm.retry import http_error
+from actors.llm.retry import http_error, redact
 from schemas.errors import ModelError
 from schemas.events import ModelResponded
 
@@ -345,3 +345,11 @@ async def test_a_placeholder_key_a_local_server_ignores_does_not_censor_the_answ
     got = await complete(settings, system=None, messages=[Message(role="user", text="hi")],
                          tools=[], on_delta=on_delta)
     assert got.text == "".join(shown) == "Run it with ollama."
+
+
+def test_a_key_is_redacted_as_libraries_quote_it_escaped() -> None:
+    # httpx refuses a header value with a line break, quoting it as bytes: b'Bearer ...'.
+    key = "sk-NL\nSECRET-9"
+    quoted = f"LocalProtocolError: Illegal header value {('Bearer ' + key).encode()!r}"
+    assert "SECRET" in quoted and "SECRET" not in redact(quoted, key)
+    assert "SECRET" not in redact(f"{key!r}", key) and "SECRET" not in redact(key, key)
