@@ -200,20 +200,25 @@ class ToolbusClient:
         check_session_id(session_id)
         request_id = request_id or uuid.uuid4().hex
         turn_id = turn_id_for(request_id)
+        request: dict[str, Any] = {"request_id": request_id}
+        if message is not None:
+            request["message"] = message
+        else:
+            request["calls"] = calls
+        if agent is not None:
+            request["agent"] = agent
+        try:
+            body = msgspec.json.encode(request)
+        except UnicodeEncodeError:  # text read as bytes that are not UTF-8 (surrogates)
+            raise InvalidRequestError(
+                "invalid_request", "the request holds text that is not valid UTF-8 (bytes "
+                "that could not be decoded): send it as UTF-8") from None
         # Watch before publishing, so the end of the turn cannot slip past us.
         watcher = await self._watch(session_id)
         fut: asyncio.Future[TurnEnd] = asyncio.get_running_loop().create_future()
         watcher.waiting[turn_id] = fut
         try:
             async with asyncio.timeout(timeout):
-                request: dict[str, Any] = {"request_id": request_id}
-                if message is not None:
-                    request["message"] = message
-                else:
-                    request["calls"] = calls
-                if agent is not None:
-                    request["agent"] = agent
-                body = msgspec.json.encode(request)
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
                     found = await self.find_end(session_id, turn_id, full=full)

@@ -12,6 +12,7 @@ try:
     import contextlib
     import logging
     import os
+    import threading
     import time
     import uuid
     from collections.abc import Sequence
@@ -36,7 +37,7 @@ try:
         encode_event,
         summarize,
     )
-    from schemas.ids import check_agent_name, check_session_id, check_tool_name
+    from schemas.ids import check_agent_name, check_session_id, check_tool_name, turn_id_for
     from schemas.requests import strip_controls
     from schemas.state import SessionState, encode_state, fold
     from services.config import (
@@ -46,7 +47,14 @@ try:
         load_manifest,
         nats_url_for,
     )
-    from services.process import EXIT_BUS, EXIT_CALL_FAILED, EXIT_OK, EXIT_USAGE, terminable
+    from services.process import (
+        EXIT_BUS,
+        EXIT_CALL_FAILED,
+        EXIT_OK,
+        EXIT_USAGE,
+        fill_std_fds,
+        terminable,
+    )
     from services.process import run as _run
 except KeyboardInterrupt:
     sys.stderr.write("toolbus: interrupted while starting\n")
@@ -314,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    fill_std_fds()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -476,6 +485,38 @@ async def _bench(args: argparse.Namespace) -> int:
                                    session_actors=args.session_actors)
 
 
+def _is_utf8(text: str) -> bool:
+    """False for text read from bytes that are not UTF-8 (their surrogate escapes)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def _read_line() -> str | None:
+    """A line of stdin, None at its end. Read on a daemon thread: Ctrl-C at the prompt
+    ends the command at once, where a thread of the loop's executor, still blocked in
+    the read, would keep the process waiting for another line."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[str | None] = loop.create_future()
+
+    def settle(line: str | None) -> None:
+        if not got.done():
+            got.set_result(line)
+
+    def read() -> None:
+        try:
+            line: str | None = sys.stdin.readline() or None
+        except (OSError, ValueError):  # closed, or not text at all
+            line = None
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+            loop.call_soon_threadsafe(settle, line)
+
+    threading.Thread(target=read, name="toolbus-chat-stdin", daemon=True).start()
+    return await got
+
+
 async def _chat(url: str, args: argparse.Namespace) -> int:
     """One turn per message: the model's text as it streams, each tool call and its end
     as it happens (on stderr), then the answer."""
@@ -488,6 +529,9 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     client = ToolbusClient(bus)
     streamed = [False]
     tools: dict[str, str] = {}  # call id -> tool, to name a call when it ends
+    # The turn this command waits for: another client's turn in the session is not shown
+    # as this one's (its text would be printed as this answer).
+    current: list[str | None] = [None]
 
     async def on_live(msg: Any) -> None:
         kind = msg.subject.split(".", 3)[3] if msg.subject.count(".") >= 3 else ""
@@ -496,6 +540,9 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         except msgspec.DecodeError:
             return
         if not isinstance(body, dict):
+            return
+        if "turn_id" in body and body["turn_id"] != current[0] and \
+                not kind.startswith("tool_event.injected"):
             return
         if kind == "model.delta" and body.get("reset"):
             print("\n  (the model's stream broke: asking again)", file=sys.stderr, flush=True)
@@ -542,15 +589,26 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 if not messages:
                     break
                 text = messages.pop(0)
+                if not _is_utf8(text):
+                    print("toolbus: MESSAGE is not valid UTF-8 text", file=sys.stderr)
+                    return EXIT_USAGE
             else:
-                line = await asyncio.to_thread(sys.stdin.readline)
-                if not line:
+                line = await _read_line()
+                if line is None:
                     break
                 text = line.strip()
                 if not text:
                     continue
+                if not _is_utf8(text):
+                    print("toolbus: skipped a line that is not valid UTF-8 text",
+                          file=sys.stderr)
+                    code = EXIT_USAGE
+                    continue
             streamed[0] = False
-            end = await client.ask(session, text, agent=args.agent, timeout=args.timeout)
+            request_id = uuid.uuid4().hex
+            current[0] = turn_id_for(request_id)
+            end = await client.ask(session, text, agent=args.agent, timeout=args.timeout,
+                                   request_id=request_id)
             if isinstance(end, TurnCompleted):
                 if not streamed[0] and end.text:
                     sys.stdout.write(_printable(end.text))

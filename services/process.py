@@ -31,6 +31,20 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(coro)
 
 
+def fill_std_fds() -> None:
+    """Give /dev/null to a standard stream the process was started without (`>&-`): the
+    first socket opened would otherwise take its number, the output meant for the
+    terminal would go to the bus, and uvloop aborts the process when it closes it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:  # Python found the descriptor closed at start
+            setattr(sys, name, open(os.devnull, mode))
+
+
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import httpx
 
 from bus.server import free_port
 from services.sample_llm import SampleModel, listen
-from tests.conftest import REPO, Proc, run_toolbus
+from tests.conftest import REPO, Proc, run_toolbus, toolbus_cmd
 
 
 async def test_the_agent_quick_start_chats_and_replays_without_the_model(
@@ -57,8 +59,53 @@ async def test_the_agent_quick_start_chats_and_replays_without_the_model(
         (turn,) = last["state"]["turns"].values()
         assert turn["status"] == "completed"
         assert "sk-sample" not in replay.stdout
+        await _chat_as_a_careless_user(data)
     finally:
         up.stop()
         server.close()
         await server.wait_closed()
     assert os.environ.get("OPENAI_API_KEY") != "sk-sample"  # the test's env stayed its own
+
+
+async def _chat_as_a_careless_user(data: Path) -> None:
+    """What a new user tried and broke (each once a traceback, a hang or an abort)."""
+    where = ("--data-dir", str(data))
+    # Bytes that are not UTF-8: one line, exit 2, for the argument; a line of stdin is
+    # skipped and the others still answered.
+    bad = await asyncio.to_thread(run_toolbus, "chat", "--session", "u1", "\udcff\udcfe x",
+                                  *where)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == "toolbus: MESSAGE is not valid UTF-8 text"
+    piped = await asyncio.to_thread(
+        subprocess.run, toolbus_cmd("chat", "--session", "u2", *where),
+        input=b"first\n\xff\xfe\x80\nlast\n", capture_output=True, timeout=60, cwd=REPO)
+    assert piped.returncode == 2 and b"Traceback" not in piped.stderr, piped.stderr
+    assert piped.stdout.decode().splitlines() == [
+        'The tool answered: {"text":"first"}', 'The tool answered: {"text":"last"}']
+    assert b"skipped a line that is not valid UTF-8 text" in piped.stderr
+    # Started with its output closed (`>&-`): no abort (uvloop asserted on closing the
+    # socket that had taken the number of stdout).
+    closed = await asyncio.to_thread(
+        subprocess.run, ["bash", "-c", " ".join(toolbus_cmd("replay", "s1", *where)) +
+                         " >&-"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert closed.returncode == 0 and "Assertion" not in closed.stderr, closed.stderr
+    # Ctrl-C at the interactive prompt ends it at once (a thread blocked reading stdin
+    # kept it alive until another line came).
+    proc = await asyncio.create_subprocess_exec(
+        *toolbus_cmd("chat", "--session", "u3", *where), stdin=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, cwd=REPO,
+        start_new_session=True)
+    try:
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write(b"hello\n")
+        async with asyncio.timeout(60):
+            while b"<- built-in:echo ok" not in await proc.stderr.readline():
+                pass
+        await asyncio.sleep(0.3)  # back at the prompt, reading the next line
+        os.killpg(proc.pid, signal.SIGINT)
+        async with asyncio.timeout(10):
+            assert await proc.wait() == 130
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
