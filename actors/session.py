@@ -649,6 +649,10 @@ class SessionActor:
         if is_tool_event(delivery.data):
             await self._on_tool_event(delivery, sid)
             return
+        if sid == SYSTEM_SESSION:
+            raise PoisonError("reserved_session", f"{sid} is toolbus's own session (it keeps "
+                              "the rejections of requests that name no usable session): "
+                              "send requests to a session of yours")
         try:
             request = parse_request(delivery.data, max_bytes=self._max_request_bytes,
                                     max_calls=self._max_calls)

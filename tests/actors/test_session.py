@@ -97,6 +97,13 @@ async def test_a_client_hears_at_once_of_its_request_refused_as_too_large(
     assert end.request_id == "big-1"
 
 
+async def test_toolbus_own_session_takes_no_request(client: ToolbusClient) -> None:
+    end = await client.call(SYSTEM_SESSION, [{"tool": "built-in:echo", "arguments": {}}],
+                            request_id="mine", timeout=20)
+    assert isinstance(end, RequestRejected) and end.reason == "reserved_session", end
+    assert end.request_id == "mine" and "toolbus's own session" in end.message
+
+
 async def test_a_bad_session_id_is_a_stored_rejection_under_the_system_session(
     bus: Bus, client, sid: str
 ) -> None:
