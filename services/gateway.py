@@ -501,15 +501,19 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         except InvalidIdError as exc:
             return _error(400, str(exc))
         body, parsed = await _json_body(request)
-        if not is_tool_event(body):
-            # A body that can never be a request is refused here, at once, with what is
-            # wrong, and nothing is submitted. Its size and number of calls are left to
-            # the session actor, whose limits are its own settings (a stored rejection).
-            try:
-                parse_request(body, max_bytes=len(body), max_calls=sys.maxsize)
-            except InvalidRequestError as exc:
-                return JSONResponse({"ok": False, "error": exc.message, "code": exc.reason},
-                                    status_code=400)
+        if is_tool_event(body):
+            return JSONResponse({"ok": False, "code": "invalid_request", "error": (
+                "this is a tool event: post it to /sessions/{sid}/tool_events, which "
+                "answers with its stored ids")}, status_code=400)
+        # A body that can never be a request is refused here, at once, with what is wrong,
+        # and nothing is submitted. Its size and number of calls are left to the session
+        # actor, whose limits are its own settings (a stored rejection).
+        try:
+            parse_request(body, max_bytes=len(body), max_calls=sys.maxsize)
+        except InvalidRequestError as exc:
+            status = 413 if exc.reason == "payload_too_large" else 400
+            return JSONResponse({"ok": False, "error": exc.message, "code": exc.reason},
+                                status_code=status)
         request_id = parsed.get("request_id") if isinstance(parsed, dict) else None
         if not isinstance(request_id, str):
             request_id = uuid.uuid4().hex

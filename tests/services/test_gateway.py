@@ -270,6 +270,11 @@ async def test_a_body_that_can_never_be_a_request_is_a_400_naming_why_and_submit
             assert got.status_code == 400, (body, got.text)
             assert got.json()["ok"] is False and got.json()["code"] == "invalid_request"
             assert why in got.json()["error"], (body, got.json())
+        event = await c.post(f"/sessions/{sid}/requests", json={
+            "tool_id": "crm:lookup", "result": {"a": 1}, "idempotency_key": "k1"})
+        assert event.status_code == 400 and "/tool_events" in event.json()["error"]
+        long = await c.post(f"/sessions/{sid}/requests", json={"message": "x" * 70_000})
+        assert long.status_code == 413 and long.json()["code"] == "payload_too_large"
         # A request the session refuses for what only it knows (here: its tool is not in
         # the catalog) is still accepted here, and its refusal is stored in the session.
         sent = await c.post(f"/sessions/{sid}/requests", json={
