@@ -100,11 +100,21 @@ _KEYLIKE: Final = re.compile(
 )
 
 
+# Characters that show nothing (controls, and Unicode's default-ignorable code points:
+# zero-width spaces and joiners, the soft hyphen, variation selectors, fillers, tags):
+# one put inside a key hides it from a search for the key, not from a reader.
+INVISIBLE: Final = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5"
+    "\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f"
+    "\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
+    "\U000e0000-\U000e0fff]")
+
+
 def redact(text: str, key: str | None) -> str:
     """`text` without the key, nor anything shaped like one. Invisible characters go
     first: a key with one inside would otherwise pass here, and be whole again once
     `clip` strips them."""
-    text = str(strip_controls(text))
+    text = INVISIBLE.sub("", str(strip_controls(text)))
     if key:
         # Also as a library quotes it in its errors, escaped: b'Bearer sk-a\\nb'.
         for form in {key, str(strip_controls(key)), repr(key)[1:-1],

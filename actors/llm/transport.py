@@ -23,7 +23,7 @@ import msgspec
 from httpx_sse import EventSource, SSEError
 
 from actors.llm.convert import stable_id
-from actors.llm.retry import clip, http_error, redact
+from actors.llm.retry import INVISIBLE, clip, http_error, redact
 from actors.llm.types import ModelResponse
 from schemas.errors import ModelError
 
@@ -150,7 +150,7 @@ def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> 
     """A reply quoting the key (text, a call's arguments, anything stored of it) is refused:
     whatever the provider sends is stored in an event, and events never hold a secret."""
     key = _guarded(key)
-    if key and key in msgspec.json.encode(reply).decode():
+    if key and key in INVISIBLE.sub("", msgspec.json.encode(reply).decode()):
         raise _quotes_key(provider)
 
 
@@ -168,18 +168,29 @@ class _KeyGuard:
         if not key:
             return delta
         text = self._held + delta
-        if key in text:
+        # Judged on what shows: a key with a zero-width character inside is still the key
+        # to whoever reads it. The text itself is handed on as it came (joiners make emoji).
+        visible = INVISIBLE.sub("", text)
+        if key in visible:
             raise _quotes_key(provider)
-        # The longest end of `text` that the key starts with: it starts with the key's
+        # The longest end of what shows that the key starts with: it starts with the key's
         # first character, within the last len(key) - 1 characters.
-        cut = len(text)
-        at = text.find(key[0], max(0, len(text) - len(key) + 1))
+        keep = 0
+        at = visible.find(key[0], max(0, len(visible) - len(key) + 1))
         while at != -1:
-            if key.startswith(text[at:]):
-                cut = at
+            if key.startswith(visible[at:]):
+                keep = len(visible) - at
                 break
-            at = text.find(key[0], at + 1)
-        self._held = text[cut:]
+            at = visible.find(key[0], at + 1)
+        cut = len(text)
+        while keep:
+            cut -= 1
+            if not INVISIBLE.match(text, cut):
+                keep -= 1
+        held = text[cut:]
+        if len(held) > 2 * len(key) + 64:  # padded with invisible characters: drop them
+            held = INVISIBLE.sub("", held)
+        self._held = held
         return text[:cut]
 
     def rest(self) -> str:

@@ -291,10 +291,28 @@ async def test_a_key_the_server_streams_back_is_never_shown_nor_stored(
     assert shown == "Your key is " and KEY[:2] not in shown
 
 
+@pytest.mark.parametrize("hidden", ["\u200b", "\u200d", "\u034f", "\ufe0f", "\u3164"])
+async def test_a_key_with_invisible_characters_inside_is_still_the_key(
+        server: tuple[RawServer, int], hidden: str) -> None:
+    raw, port = server
+    split = hidden.join([KEY[:5], KEY[5:12], KEY[12:]])
+    raw.reply = chat_stream(["Here: ", *split])
+    got, deltas = await ask(port, stream=True)
+    assert isinstance(got, ModelError) and "quotes the API key" in got.message, got
+    assert "".join(deltas) == "Here: "
+    raw.reply = body(chat({"content": f"Here: {split}"}))
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and "quotes the API key" in got.message, got
+    error_body = json.dumps({"error": {"message": f"bad key {split}"}}).encode()
+    assert KEY[5:12] not in http_error("openai", 401, httpx.Headers(), error_body,
+                                       KEY).message
+
+
 async def test_text_that_only_looks_like_the_start_of_the_key_is_shown_whole(
         server: tuple[RawServer, int]) -> None:
     raw, port = server
-    text = ["ask ", "sk-", "hostile", " questions, s", "k-ho"]  # prefixes of the key
+    # Prefixes of the key, and an emoji whose joiner must reach the watchers intact.
+    text = ["ask ", "sk-", "hostile", " questions, s", "\u200dk-ho", " 👨\u200d👩\u200d👧"]
     raw.reply = chat_stream(text)
     got, deltas = await ask(port, stream=True)
     assert not isinstance(got, ModelError), got
