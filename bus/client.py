@@ -36,6 +36,7 @@ from schemas.events import (
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
+    TurnRequested,
 )
 from schemas.ids import check_session_id, client_request_id, tool_event_id, turn_id_for
 from schemas.requests import parse_tool_event
@@ -89,6 +90,9 @@ class _Watcher:
         # injected by several at once).
         self.injected: dict[str, list[asyncio.Future[InjectEnd]]] = {}
         self.subs: list[Any] = []
+        # Turns waited for whose `turn.requested` came: accepted, so a timeout is not the
+        # server's absence.
+        self.started: set[str] = set()
         self.ready = asyncio.Event()
         self._prefix = f"{LIVE_PREFIX}.{session_id}."
 
@@ -109,6 +113,10 @@ class _Watcher:
             key = ev.turn_id
         elif isinstance(ev, RequestRejected) and ev.request_id is not None:
             key = turn_id_for(ev.request_id)
+        elif isinstance(ev, TurnRequested):
+            if ev.turn_id in self.waiting:
+                self.started.add(ev.turn_id)
+            return
         else:
             return
         fut = self.waiting.get(key)
@@ -234,12 +242,20 @@ class ToolbusClient:
                     fut = asyncio.get_running_loop().create_future()
                     watcher.waiting[turn_id] = fut
         except TimeoutError as exc:
+            if turn_id in watcher.started:
+                raise BusTimeoutError(
+                    f"turn {turn_id} of session {session_id} was accepted but had not ended "
+                    f"after {timeout:g} s (a slow model or tool, or a call waiting for a "
+                    f"human: `toolbus approvals`); it goes on: follow it with `toolbus "
+                    f"replay {session_id}`, or wait longer with a larger --timeout"
+                ) from exc
             raise BusTimeoutError(
                 f"no result for request {request_id} in session {session_id} within "
                 f"{timeout:g} s: is `toolbus up` (or session, approval and executor actors) "
                 "running? A call waiting for a human shows in `toolbus approvals`"
             ) from exc
         finally:
+            watcher.started.discard(turn_id)
             watcher.waiting.pop(turn_id, None)
             for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
                 del watcher.results[call_id]

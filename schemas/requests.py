@@ -213,8 +213,12 @@ def _parse_messages(value: Any) -> tuple[str, list[ChatMessage]]:
                                       "exactly role and content")
         role, content = item["role"], item["content"]
         if role not in ("user", "assistant"):
+            got = repr(strip_controls(role[:40])) if isinstance(role, str) and role.strip() \
+                else _json_type(role)
+            more = " (the agent's instructions come from its manifest)" \
+                if role == "system" else ""
             raise InvalidRequestError("invalid_request", f"{where}.role must be user or "
-                                      f"assistant, got {_json_type(role)}")
+                                      f"assistant, got {got}{more}")
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequestError("invalid_request", f"{where}.content must be a "
                                       "non-empty string")

@@ -28,6 +28,7 @@ from actors.planner import Planner
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import EventLog
+from schemas.errors import BusTimeoutError
 from schemas.events import ModelRequested, ModelResponded, TurnCompleted, TurnFailed
 from tests.conftest import REPO, EventWatch, Proc
 
@@ -188,6 +189,17 @@ async def test_calls_the_model_gave_one_id_are_answered_one_to_one(
                if m["role"] == "tool"]
     assert call_ids[0] == "call_x" and len(set(call_ids)) == 2
     assert answers == [(call_ids[0], {"text": "a"}), (call_ids[1], {"text": "b"})]
+
+
+async def test_a_turn_accepted_but_slow_times_out_saying_so_not_blaming_the_server(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [(200, reply("Late."), 3.0)]
+    with pytest.raises(BusTimeoutError) as info:
+        await client.ask(sid, "hi", timeout=1.0)
+    assert "was accepted but had not ended after 1 s" in str(info.value)
+    assert f"toolbus replay {sid}" in str(info.value)
+    async with EventWatch(client.bus, sid) as watch:  # it goes on, and ends
+        await watch.until(lambda evs: any(isinstance(e, TurnCompleted) for e in evs))
 
 
 async def test_invalid_arguments_go_back_to_the_model_with_every_violation(

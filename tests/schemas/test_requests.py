@@ -23,6 +23,11 @@ from schemas.requests import parse_request
         (b'{"message": ""}', "invalid_request", "non-empty string, got an empty string"),
         (b'{"message": " \\n"}', "invalid_request", "non-empty string, got only whitespace"),
         (b'{"message": 7}', "invalid_request", "non-empty string, got a number"),
+        (b'{"messages": [{"role": "system", "content": "x"}]}', "invalid_request",
+         "messages[0].role must be user or assistant, got 'system' (the agent's "
+         "instructions come from its manifest)"),
+        (b'{"messages": [{"role": 5, "content": "x"}]}', "invalid_request",
+         "role must be user or assistant, got a number"),
     ],
 )
 def test_bad_request_bodies_are_refused_naming_the_field(body, reason, words) -> None:

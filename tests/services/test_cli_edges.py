@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -47,6 +48,13 @@ def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
         "call", "replay", "state", "tools", "chat") else run_toolbus(*args)
     assert out.returncode == 2, out.stderr
     assert says in _one_clear_line(out)
+
+
+def test_the_sample_model_server_refuses_a_port_that_is_not_one() -> None:
+    out = subprocess.run([sys.executable, "-m", "services.sample_llm", "--port", "99999"],
+                         capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert out.returncode == 2
+    assert "99999 is not a TCP port: give 1 to 65535" in _one_clear_line(out)
 
 
 @pytest.mark.parametrize("args", [
