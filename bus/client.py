@@ -207,7 +207,6 @@ class ToolbusClient:
         from the object store too (`result` then holds them)."""
         check_session_id(session_id)
         request_id = request_id or uuid.uuid4().hex
-        turn_id = turn_id_for(request_id)
         request: dict[str, Any] = {"request_id": request_id}
         if message is not None:
             request["message"] = message
@@ -217,6 +216,7 @@ class ToolbusClient:
             request["agent"] = agent
         try:
             body = msgspec.json.encode(request)
+            turn_id = turn_id_for(request_id)
         except UnicodeEncodeError:  # text read as bytes that are not UTF-8 (surrogates)
             raise InvalidRequestError(
                 "invalid_request", "the request holds text that is not valid UTF-8 (bytes "
@@ -229,9 +229,16 @@ class ToolbusClient:
             async with asyncio.timeout(timeout):
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
-                    found = await self.find_end(session_id, turn_id, full=full)
-                    if found is not None:
-                        return found
+                    # Sent before: how it ended, or how it was refused, is stored already.
+                    if turn_id in (await self.fold_session(session_id)).turns:
+                        found = await self.find_end(session_id, turn_id, full=full)
+                        if found is not None:
+                            return found
+                        watcher.started.add(turn_id)  # accepted, and still running
+                    else:
+                        refused = await self._stored_refusal(session_id, request_id)
+                        if refused is not None and isinstance(refused[1], RequestRejected):
+                            return refused[1]
                 while True:
                     ev = await fut
                     if not (isinstance(ev, RequestRejected) and ev.reason == "duplicate_request"):

@@ -60,6 +60,23 @@ BUILTIN_NAMES = ("echo", "current_time")
 
 
 
+def usable_headers(value: dict[str, str]) -> dict[str, str]:
+    """Header values as they can be sent: the spaces around each dropped, and one holding
+    a line break or another control character refused, naming the header and not its
+    value (it may be a secret, and a line break would start a header of its own)."""
+    out = {}
+    for name, text in value.items():
+        if not name or any(not 0x21 <= ord(c) <= 0x7E or c in '"(),/:;<=>?@[\\]{}'
+                           for c in name):
+            raise ValueError(f"header name {name[:40]!r} is not a token")
+        text = text.strip()
+        if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in text):
+            raise ValueError(f"header {name}: its value holds a line break or a control "
+                             "character (its value is not shown)")
+        out[name] = text
+    return out
+
+
 def usable_key(value: str | None) -> str | None:
     """An API key as it can go in an HTTP header: the spaces and line ends around it (a
     key read from a file) dropped, None for an empty one. A key holding anything else no
@@ -90,7 +107,7 @@ class HttpToolConfig(_Model):
     base_url: str | None = None
     allowed_methods: list[HttpMethod] = ["GET", "HEAD"]
     default_method: HttpMethod | None = None
-    default_headers: dict[str, str] = {}
+    default_headers: Annotated[dict[str, str], pydantic.AfterValidator(usable_headers)] = {}
     default_query: dict[str, str | int | float | bool] = {}
     timeout_ms: Annotated[int, Field(gt=0, le=600_000)] = 10_000
     auto_approve: bool = False
@@ -217,7 +234,7 @@ class McpServerConfig(_Model):
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
     path: str | None = None  # default /mcp (/sse for SSE)
     api_key: Annotated[str | None, pydantic.AfterValidator(lambda v: usable_key(v))] = None
-    headers: dict[str, str] = {}
+    headers: Annotated[dict[str, str], pydantic.AfterValidator(usable_headers)] = {}
     # stdio
     command: str | None = None
     args: list[str] = []

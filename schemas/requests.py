@@ -360,6 +360,15 @@ _CONTROL: Final = re.compile(
     "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]")
 
 
+# What shows nothing at all: the above, with the joiners, variation selectors and other
+# default-ignorable code points that `_CONTROL` keeps for scripts and emoji. Text is never
+# stripped of these; they are dropped only to look for a secret hidden by them.
+INVISIBLE: Final = re.compile(
+    _CONTROL.pattern[:-1] + "\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\uffa0\ufff0-\ufff8"
+    "\U000e0000-\U000e0fff]")
+
+
 class ToolEventInput(msgspec.Struct, frozen=True, kw_only=True):
     """A tool event to inject, as `POST /sessions/{id}/tool_events` and
     `toolbus.req.<session_id>.tool_events` take it; every string already stripped of

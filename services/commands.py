@@ -404,6 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
+    except UnicodeEncodeError:
+        # An argument made of bytes that are not UTF-8 (a shell's $'\xff'), on its way out.
+        print("toolbus: an argument is not valid UTF-8 text (it holds bytes that could not "
+              "be decoded): give it as UTF-8", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -494,27 +499,47 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-async def _read_line() -> str | None:
-    """A line of stdin, None at its end. Read on a daemon thread: Ctrl-C at the prompt
-    ends the command at once, where a thread of the loop's executor, still blocked in
-    the read, would keep the process waiting for another line."""
-    loop = asyncio.get_running_loop()
-    got: asyncio.Future[str | None] = loop.create_future()
+class _StdinLines:
+    """Lines of stdin, read from its descriptor on a daemon thread: Ctrl-C at the prompt
+    ends the command at once, where a thread of the loop's executor, still blocked in the
+    read, kept the process waiting for another line. Unbuffered by Python (a daemon
+    thread inside a buffered read aborts the interpreter at exit), and as bytes: a line
+    that is not UTF-8 comes as surrogate escapes, for the caller to refuse, whatever the
+    locale's decoding would have done with it and with what was buffered around it."""
 
-    def settle(line: str | None) -> None:
-        if not got.done():
-            got.set_result(line)
+    def __init__(self) -> None:
+        self._buf = b""
+        self._eof = False
 
-    def read() -> None:
-        try:
-            line: str | None = sys.stdin.readline() or None
-        except (OSError, ValueError):  # closed, or not text at all
-            line = None
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
-            loop.call_soon_threadsafe(settle, line)
+    def _next(self) -> str | None:
+        while b"\n" not in self._buf and not self._eof:
+            try:
+                chunk = os.read(0, 65536)
+            except OSError:  # closed
+                chunk = b""
+            self._eof = not chunk
+            self._buf += chunk
+        if not self._buf:
+            return None
+        line, sep, self._buf = self._buf.partition(b"\n")
+        return (line + sep).decode("utf-8", "surrogateescape")
 
-    threading.Thread(target=read, name="toolbus-chat-stdin", daemon=True).start()
-    return await got
+    async def next(self) -> str | None:
+        """The next line, None at the end."""
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[str | None] = loop.create_future()
+
+        def settle(line: str | None) -> None:
+            if not got.done():
+                got.set_result(line)
+
+        def read() -> None:
+            line = self._next()
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(settle, line)
+
+        threading.Thread(target=read, name="toolbus-chat-stdin", daemon=True).start()
+        return await got
 
 
 async def _chat(url: str, args: argparse.Namespace) -> int:
@@ -584,6 +609,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         sub = await bus.nc.subscribe(f"toolbus.live.{session}.>", cb=on_live)
         print(f"session: {session}", file=sys.stderr)
         messages = [args.message] if args.message is not None else None
+        stdin = _StdinLines()
         while True:
             if messages is not None:
                 if not messages:
@@ -593,7 +619,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                     print("toolbus: MESSAGE is not valid UTF-8 text", file=sys.stderr)
                     return EXIT_USAGE
             else:
-                line = await _read_line()
+                line = await stdin.next()
                 if line is None:
                     break
                 text = line.strip()

@@ -12,8 +12,8 @@ import platformdirs
 from bus.auth import read_role_url
 from bus.connection import DEFAULT_NATS_URL
 from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
-from schemas.errors import ManifestError
-from schemas.manifest import Manifest, parse_manifest, with_base_dir
+from schemas.errors import ConfigError, ManifestError
+from schemas.manifest import Manifest, parse_manifest, usable_key, with_base_dir
 
 
 def default_nats_url() -> str:
@@ -96,8 +96,17 @@ def load_manifest(path: Path) -> Manifest:
 
 
 def tool_secrets() -> dict[str, str]:
-    """Provider keys the built-in tools may use, from the environment."""
-    return {k: v for k in ("TAVILY_API_KEY",) if (v := os.environ.get(k))}
+    """Provider keys the built-in tools may use, from the environment, as a manifest's
+    `api_key` is taken (`usable_key`): a key no header may carry is refused at boot."""
+    out = {}
+    for name in ("TAVILY_API_KEY",):
+        try:
+            key = usable_key(os.environ.get(name))
+        except ValueError as exc:
+            raise ConfigError(f"${name}: {exc}") from None
+        if key:
+            out[name] = key
+    return out
 
 
 def subprocess_path() -> str:

@@ -39,7 +39,7 @@ def fill_std_fds() -> None:
         try:
             os.fstat(fd)
         except OSError:
-            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            os.set_inheritable(os.open(os.devnull, os.O_RDWR), True)  # the lowest: fd
     for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
         if getattr(sys, name) is None:  # Python found the descriptor closed at start
             setattr(sys, name, open(os.devnull, mode))

@@ -27,7 +27,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from schemas.errors import ModelError
-from schemas.requests import strip_controls
+from schemas.requests import INVISIBLE, strip_controls
 
 log = logging.getLogger("toolbus.llm")
 
@@ -98,16 +98,6 @@ _KEYLIKE: Final = re.compile(
     r"|AIza[0-9A-Za-z_\-]{10,}"  # Google
     r"|\S*\*{4,}\S*"  # a masked key: "sk-proj-****...abcd"
 )
-
-
-# Characters that show nothing (controls, and Unicode's default-ignorable code points:
-# zero-width spaces and joiners, the soft hyphen, variation selectors, fillers, tags):
-# one put inside a key hides it from a search for the key, not from a reader.
-INVISIBLE: Final = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5"
-    "\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f"
-    "\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
-    "\U000e0000-\U000e0fff]")
 
 
 def redact(text: str, key: str | None) -> str:

@@ -23,9 +23,10 @@ import msgspec
 from httpx_sse import EventSource, SSEError
 
 from actors.llm.convert import stable_id
-from actors.llm.retry import INVISIBLE, clip, http_error, redact
+from actors.llm.retry import clip, http_error, redact
 from actors.llm.types import ModelResponse
 from schemas.errors import ModelError
+from schemas.requests import INVISIBLE
 
 ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving up on it
 # What a provider may send in one reply, body or stream, before it is refused: a broken or
@@ -150,8 +151,24 @@ def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> 
     """A reply quoting the key (text, a call's arguments, anything stored of it) is refused:
     whatever the provider sends is stored in an event, and events never hold a secret."""
     key = _guarded(key)
-    if key and key in INVISIBLE.sub("", msgspec.json.encode(reply).decode()):
+    if key and any(key in INVISIBLE.sub("", text)
+                   for text in _strings(msgspec.to_builtins(reply))):
         raise _quotes_key(provider)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, keys included (as decoded: JSON's escapes
+    would hide a control character inside the key)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 class _KeyGuard:

@@ -95,6 +95,11 @@ async def test_a_client_hears_at_once_of_its_request_refused_as_too_large(
     end = await asyncio.wait_for(client.call(sid, calls, request_id="big-1", timeout=60), 20)
     assert isinstance(end, RequestRejected) and end.reason == "payload_too_large", end
     assert end.request_id == "big-1"
+    # Sent again (a retry within the dedup window: NATS stores it no second time), it
+    # still hears of the refusal at once.
+    again = await asyncio.wait_for(client.call(sid, calls, request_id="big-1", timeout=60),
+                                   20)
+    assert again == end
 
 
 async def test_toolbus_own_session_takes_no_request(client: ToolbusClient) -> None:

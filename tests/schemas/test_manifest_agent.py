@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from schemas.errors import ManifestError
+from schemas.errors import ConfigError, ManifestError
 from schemas.manifest import PLANNER_TOOLS, Manifest, parse_manifest, unknown_tool_refs
+from services.config import tool_secrets
 from tests.conftest import REPO
 
 # Seed 000, "The model": verbatim.
@@ -176,6 +177,27 @@ def test_a_key_read_from_a_file_loses_its_line_end_and_a_broken_one_is_refused_u
         assert "agent_config.model.api_key: " in message and "no HTTP header" in message
         assert all(part not in message for part in ("SECRET", "words", "nul", "clé")), \
             message
+
+
+def test_a_header_value_with_a_line_break_is_refused_naming_the_header_only() -> None:
+    text = ("agent_config: {mcps: [{id: crm, hostname: 'http://h', port: 1, "
+            "headers: {X-Tenant: '${TENANT}'}}]}")
+    message = problems_of(text, TENANT="acme\r\nX-Injected: SECRET")
+    assert "header X-Tenant: its value holds a line break" in message
+    assert "SECRET" not in message and "acme" not in message
+    got = parse_manifest(text, env={"TENANT": " acme "})
+    assert got.agent_config is not None and got.agent_config.mcps[0].headers == {
+        "X-Tenant": "acme"}
+
+
+def test_a_tool_key_from_the_environment_is_checked_as_a_manifest_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAVILY_API_KEY", "tvly-abc\r\n")
+    assert tool_secrets() == {"TAVILY_API_KEY": "tvly-abc"}
+    monkeypatch.setenv("TAVILY_API_KEY", "tvly-a\nSECRET")
+    with pytest.raises(ConfigError, match=r"\$TAVILY_API_KEY: the key holds") as info:
+        tool_secrets()
+    assert "SECRET" not in str(info.value)
 
 
 def test_a_missing_variable_is_named_with_its_key_path() -> None:

@@ -76,13 +76,15 @@ async def _chat_as_a_careless_user(data: Path) -> None:
                                   *where)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.strip().splitlines()[-1] == "toolbus: MESSAGE is not valid UTF-8 text"
-    piped = await asyncio.to_thread(
-        subprocess.run, toolbus_cmd("chat", "--session", "u2", *where),
-        input=b"first\n\xff\xfe\x80\nlast\n", capture_output=True, timeout=60, cwd=REPO)
-    assert piped.returncode == 2 and b"Traceback" not in piped.stderr, piped.stderr
-    assert piped.stdout.decode().splitlines() == [
-        'The tool answered: {"text":"first"}', 'The tool answered: {"text":"last"}']
-    assert b"skipped a line that is not valid UTF-8 text" in piped.stderr
+    for strict in ({}, {"PYTHONIOENCODING": "utf-8:strict"}):  # as a desktop's locale
+        piped = await asyncio.to_thread(
+            subprocess.run, toolbus_cmd("chat", "--session", "u2", *where),
+            input=b"first\n\xff\xfe\x80\nlast\n", capture_output=True, timeout=60,
+            cwd=REPO, env={**os.environ, **strict})
+        assert piped.returncode == 2 and b"Traceback" not in piped.stderr, piped.stderr
+        assert piped.stdout.decode().splitlines() == [
+            'The tool answered: {"text":"first"}', 'The tool answered: {"text":"last"}']
+        assert b"skipped a line that is not valid UTF-8 text" in piped.stderr
     # Started with its output closed (`>&-`): no abort (uvloop asserted on closing the
     # socket that had taken the number of stdout).
     closed = await asyncio.to_thread(

@@ -169,3 +169,16 @@ def test_ctrl_c_while_the_command_starts_is_one_line_not_a_traceback(tmp_path: P
     # -2: the signal came before the interpreter had set up its own handler.
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
     assert len(err.strip().splitlines()) <= 1, err
+
+
+@pytest.mark.parametrize("args", [
+    ("call", "built-in:echo", '{"text": "hi"}', "--request-id", "r\udcff"),
+    ("call", "built-in:echo", '{"text": "\udcff"}'),
+    ("chat", "x\udcfe"),
+])
+async def test_text_that_is_not_utf8_is_a_one_line_usage_error(
+        client, nats_url: str, args: tuple[str, ...]) -> None:
+    # As a shell passes $'\xff': bytes Python holds as surrogate escapes.
+    out = await asyncio.to_thread(run_toolbus, *args, "--nats", nats_url)
+    assert out.returncode == 2, out.stderr
+    assert "not valid UTF-8" in _one_clear_line(out)

@@ -291,7 +291,8 @@ async def test_a_key_the_server_streams_back_is_never_shown_nor_stored(
     assert shown == "Your key is " and KEY[:2] not in shown
 
 
-@pytest.mark.parametrize("hidden", ["\u200b", "\u200d", "\u034f", "\ufe0f", "\u3164"])
+@pytest.mark.parametrize("hidden", ["\u200b", "\u200d", "\u034f", "\ufe0f", "\u3164", "\x01",
+                                    "\u2028", "\u0600", "\ufff9"])
 async def test_a_key_with_invisible_characters_inside_is_still_the_key(
         server: tuple[RawServer, int], hidden: str) -> None:
     raw, port = server
@@ -300,9 +301,12 @@ async def test_a_key_with_invisible_characters_inside_is_still_the_key(
     got, deltas = await ask(port, stream=True)
     assert isinstance(got, ModelError) and "quotes the API key" in got.message, got
     assert "".join(deltas) == "Here: "
-    raw.reply = body(chat({"content": f"Here: {split}"}))
-    got, _ = await ask(port)
-    assert isinstance(got, ModelError) and "quotes the API key" in got.message, got
+    for reply in (chat({"content": f"Here: {split}"}), chat({"content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {
+                "name": "a__b", "arguments": json.dumps({"k": split})}}]})):
+        raw.reply = body(reply)
+        got, _ = await ask(port)
+        assert isinstance(got, ModelError) and "quotes the API key" in got.message, got
     error_body = json.dumps({"error": {"message": f"bad key {split}"}}).encode()
     assert KEY[5:12] not in http_error("openai", 401, httpx.Headers(), error_body,
                                        KEY).message
