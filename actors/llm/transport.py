@@ -117,6 +117,7 @@ def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
     answer its calls one to one (a server that repeats ids would end the next request in
     a 400 that names nothing the user did)."""
     seen: set[str] = set()
+    items: set[str] = set()  # the Responses API's item ids (`fc_...`), sent back too
     calls = list(reply.tool_calls)
     changed = False
     for i, call in enumerate(calls):
@@ -126,8 +127,14 @@ def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
             call_id = stable_id("call", reply.response_id, i, n, call.name, call.id)
             n += 1
         seen.add(call_id)
-        if call_id != call.id:
-            calls[i] = msgspec.structs.replace(call, id=call_id)
+        item = call.extra.get("id")
+        extra = call.extra
+        if isinstance(item, str):
+            if item in items:  # optional when sent back: a repeated one is left out
+                extra = {k: v for k, v in extra.items() if k != "id"}
+            items.add(item)
+        if call_id != call.id or extra is not call.extra:
+            calls[i] = msgspec.structs.replace(call, id=call_id, extra=extra)
             changed = True
     return msgspec.structs.replace(reply, tool_calls=calls) if changed else reply
 
