@@ -26,7 +26,7 @@ from bus.catalog import Catalog
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
-from schemas.errors import ConfigError, WorkerError
+from schemas.errors import BusError, ConfigError, WorkerError
 from schemas.ids import split_tool_name
 from schemas.manifest import McpServerConfig, PolicyConfig, unknown_tool_refs
 from schemas.policy import Policy
@@ -512,6 +512,7 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
         ["approval", "planner", "session"]
     server: EmbeddedServer | None = None
     url = nats_url
+    lock = None if url else _own_data_dir(data_dir)
     if not url:
         if not auth:
             print(NO_AUTH_WARNING, file=sys.stderr, flush=True)
@@ -544,6 +545,36 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
     finally:
         if server is not None:
             server.stop()
+        if lock is not None:
+            os.close(lock)  # and with it the lock
+
+
+def _own_data_dir(data_dir: Path) -> int:
+    """An exclusive lock on the data dir for as long as this process runs its server (the
+    kernel drops it when the process dies, however it dies): a second `toolbus up` there
+    would start a second server on the same store, which corrupts it, and point the
+    credentials the commands read at itself."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(data_dir / "toolbus.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot use the data dir {data_dir}: "
+                          f"{exc.strerror or exc}") from None
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise BusError(f"the data dir {data_dir} is in use by another `toolbus up`"
+                       f"{f' (pid {holder})' if holder.isdigit() else ''}: stop it, or give "
+                       "this one another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
 
 def run_actor(url: str, kind: str, settings: ActorSettings, *,

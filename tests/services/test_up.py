@@ -139,6 +139,42 @@ def test_up_on_a_busy_port_says_what_to_do(nats_server, tmp_path: Path) -> None:
     assert "is in use" in out.stderr and "--port" in out.stderr
 
 
+async def test_a_second_up_on_a_data_dir_in_use_is_refused_and_changes_nothing(
+        tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    up = Proc("up", "--port", str(free_port()), "--data-dir", str(data), ready="stop:")
+    try:
+        await up.wait_ready()
+        urls = {f.name: f.read_text() for f in (data / "auth").glob("*.url")}
+        conf = (data / "nats-server.conf").read_text()
+        second = await asyncio.to_thread(run_toolbus, "up", "--port", str(free_port()),
+                                         "--data-dir", str(data))
+        assert second.returncode == 3, second.stderr
+        assert f"the data dir {data} is in use by another `toolbus up` (pid {up.pid})" in \
+            second.stderr.strip().splitlines()[-1]
+        # Its server never started: the store, the config and the credentials the
+        # commands read still point at the first.
+        assert {f.name: f.read_text() for f in (data / "auth").glob("*.url")} == urls
+        assert (data / "nats-server.conf").read_text() == conf
+        out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"a": 1}',
+                                      "--data-dir", str(data))
+        assert out.returncode == 0 and out.stdout == '{"a":1}\n', out.stderr
+    finally:
+        assert up.stop(signal.SIGTERM) == 0
+    # Once it stopped, the data dir is free again.
+    again = Proc("up", "--port", str(free_port()), "--data-dir", str(data), ready="stop:")
+    try:
+        await again.wait_ready()
+    finally:
+        again.stop(signal.SIGTERM)
+
+
+def test_up_on_a_data_dir_it_cannot_create_names_it() -> None:
+    out = run_toolbus("up", "--port", str(free_port()), "--data-dir", "/proc/nope/data")
+    assert out.returncode == 2
+    assert "cannot use the data dir /proc/nope/data" in out.stderr.strip().splitlines()[-1]
+
+
 def test_a_bad_session_id_is_refused_before_anything_is_sent(nats_url: str) -> None:
     out = run_toolbus("call", "built-in:echo", "--session", "no.dots", "--nats", nats_url)
     assert out.returncode == 2 and "invalid session id 'no.dots'" in out.stderr
