@@ -432,6 +432,18 @@ def load_tools(target: str) -> list[LocalTool]:
             module = importlib.import_module(target)
     except ImportError as exc:
         raise ConfigError(f"--tools {target}: cannot import it: {exc}") from exc
+    except ConfigError:
+        raise
+    except Exception as exc:  # the module's own code failed while it was imported
+        where = ""
+        tb = exc.__traceback__
+        while tb is not None:  # the deepest line of the module's own file
+            if tb.tb_frame.f_code.co_filename == str(Path(target).resolve()) or \
+                    tb.tb_frame.f_globals.get("__name__") == target:
+                where = f" (line {tb.tb_lineno})"
+            tb = tb.tb_next
+        raise ConfigError(f"--tools {target}: importing it failed{where}: "
+                          f"{type(exc).__name__}: {exc}") from exc
     found: list[LocalTool] = [v for v in vars(module).values() if isinstance(v, LocalTool)]
     for item in getattr(module, "TOOLS", []):
         if isinstance(item, LocalTool) and item not in found:

@@ -182,3 +182,13 @@ async def test_text_that_is_not_utf8_is_a_one_line_usage_error(
     out = await asyncio.to_thread(run_toolbus, *args, "--nats", nats_url)
     assert out.returncode == 2, out.stderr
     assert "not valid UTF-8" in _one_clear_line(out)
+
+
+def test_a_tools_module_that_fails_on_import_is_one_line_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "badmod.py"
+    bad.write_text('x = 1\nraise RuntimeError("boom at import")\n')
+    out = run_toolbus("up", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"),
+                      "--tools", str(bad), "--workers", "1")
+    assert out.returncode == 2, out.stderr
+    assert _one_clear_line(out) == (f"toolbus: --tools {bad}: importing it failed (line 2): "
+                                    "RuntimeError: boom at import")
