@@ -24,11 +24,12 @@ try:
 
     # Only what `toolbus replay` and the parser need is imported at the top: the other
     # commands import their modules inside, so a short command starts fast.
+    from bus.auth import read_role_url
     from bus.connection import Bus, as_bus_error, connect
     from bus.eventlog import EventLog
     from bus.subjects import DEFAULT_PARTITIONS, approval_subject
     from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
-    from schemas.errors import RpcError, ToolbusError
+    from schemas.errors import ConnectError, RpcError, ToolbusError
     from schemas.events import (
         RequestRejected,
         TurnCancelled,
@@ -403,6 +404,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(terminable(_bench(args)))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
+        named = getattr(args, "data_dir", None)
+        if isinstance(exc, ConnectError) and named is not None and args.command != "up" \
+                and not getattr(args, "nats", None) and not os.environ.get("NATS_URL") \
+                and read_role_url(named, _role(args)) is None:
+            # The server tried was the default one because this data dir named none.
+            print(f"toolbus: the data dir {named} holds no {_role(args)} credentials: "
+                  "`toolbus up` has not run with it (a typo?); give the --data-dir of the "
+                  "running `toolbus up`, or --nats URL", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
     except UnicodeEncodeError:
         # An argument made of bytes that are not UTF-8 (a shell's $'\xff'), on its way out.

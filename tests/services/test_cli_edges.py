@@ -192,3 +192,12 @@ def test_a_tools_module_that_fails_on_import_is_one_line_naming_it(tmp_path: Pat
     assert out.returncode == 2, out.stderr
     assert _one_clear_line(out) == (f"toolbus: --tools {bad}: importing it failed (line 2): "
                                     "RuntimeError: boom at import")
+
+
+def test_a_data_dir_without_credentials_is_named_when_nothing_answers(
+        tmp_path: Path) -> None:
+    # A mistyped --data-dir: the default address is tried, and the error says why.
+    out = run_toolbus("chat", "hi", "--data-dir", str(tmp_path / "typo"))
+    assert out.returncode == 3, out.stderr
+    assert _one_clear_line(out).startswith(
+        f"toolbus: the data dir {tmp_path / 'typo'} holds no client credentials")
