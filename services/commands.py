@@ -732,6 +732,11 @@ async def _inject(url: str, args: argparse.Namespace) -> int:
     # Bounded: a tool event over the limit is refused below, whatever its length.
     raw = sys.stdin.buffer.read(DEFAULT_MAX_REQUEST_BYTES + 1) if args.result == "-" \
         else args.result.encode()
+    if len(raw) > DEFAULT_MAX_REQUEST_BYTES:
+        print(f"toolbus: --result is over {DEFAULT_MAX_REQUEST_BYTES} bytes, the limit of a "
+              "tool event: store it elsewhere and inject a reference to it",
+              file=sys.stderr)
+        return EXIT_USAGE
     values: dict[str, Any] = {}
     for flag, text in (("--result", raw), ("--arguments", args.arguments.encode())):
         try:

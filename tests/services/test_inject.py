@@ -378,6 +378,15 @@ def test_toolbus_inject_refuses_invalid_json_on_stdin(tmp_path: Path) -> None:
     assert "--result (read from stdin) is not valid JSON" in _one_clear_line(out)
 
 
+def test_toolbus_inject_names_a_result_over_the_limit_on_stdin_as_such() -> None:
+    big = '"' + "x" * 140_000 + '"'  # valid JSON, too large for a tool event
+    out = subprocess.run(toolbus_cmd("inject", "s1", "injected:x", "--result", "-", "--key", "k",
+                              "--nats", f"nats://127.0.0.1:{free_port()}"),
+                         input=big, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2
+    assert "--result is over 131072 bytes, the limit of a tool event" in _one_clear_line(out)
+
+
 def test_toolbus_inject_without_a_server_says_how_to_start_one(tmp_path: Path) -> None:
     out = run_toolbus("inject", "s1", "injected:x", "--result", "1", "--key", "k",
                       "--nats", f"nats://127.0.0.1:{free_port()}", "--data-dir", str(tmp_path),
