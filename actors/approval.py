@@ -389,11 +389,18 @@ class ApprovalActor:
         return msgspec.json.encode({"ok": True, "decision": after.human_decision})
 
     async def _sweep(self) -> None:
+        rounds = 0
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             now = self._clock()
-            for item in self._store.pending():
+            rounds += 1
+            # Now and then, the calls that ended without a human (their turn cancelled,
+            # superseded by a tool event): nothing waits for their decision any more.
+            ended_check = rounds % _ENDED_CHECK_EVERY == 0
+            for n, item in enumerate(self._store.pending()):
                 if item.expires_at > now:
+                    if ended_check and n < _ENDED_CHECK_MAX:
+                        await self._drop_if_ended(item.session_id, item.call_id)
                     continue
                 try:
                     call = (await self._states.current(item.session_id)).state.calls.get(
@@ -406,6 +413,20 @@ class ApprovalActor:
                 except Exception as exc:  # a NATS outage: the next sweep tries again
                     log.warning("approval timeout of %s failed: %s", item.call_id, exc)
 
+
+    async def _drop_if_ended(self, sid: str, call_id: str) -> None:
+        try:
+            call = (await self._states.current(sid)).state.calls.get(call_id)
+            if call is not None and call.terminal and call.human_decision is None:
+                await self._store.delete(sid, call_id)
+        except Exception as exc:  # a NATS outage: the next round tries again
+            log.debug("checking the approval of %s failed: %s", call_id, exc)
+
+
+# Every this many sweeps, up to this many waiting approvals are checked for a call that
+# ended meanwhile (a read of its session each).
+_ENDED_CHECK_EVERY = 2
+_ENDED_CHECK_MAX = 64
 
 _KIND: dict[type[Event], str] = {ApprovalGranted: "approved", ApprovalDenied: "denied"}
 

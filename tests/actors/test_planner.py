@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,7 +30,13 @@ from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import EventLog
 from schemas.errors import BusTimeoutError
-from schemas.events import ModelRequested, ModelResponded, TurnCompleted, TurnFailed
+from schemas.events import (
+    ModelRequested,
+    ModelResponded,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+)
 from tests.conftest import REPO, EventWatch, Proc
 
 
@@ -320,6 +327,45 @@ async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
     assert isinstance(end, TurnCompleted) and end.text == "Written."
     assert json.loads(next(m for m in model.received[1]["messages"]
                            if m["role"] == "tool")["content"]) == {"wrote": "hi"}
+
+
+async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_list(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    from bus.approvals import ApprovalStore
+    from tests.conftest import of_type
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings,
+                tools=lambda spec: spec.name.startswith("approvals:"))
+    await p.start()
+    store = ApprovalStore(bus)
+    try:
+        async with EventWatch(bus, sid) as watch:
+            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
+                            (200, reply("Noted."))]
+            asking = asyncio.create_task(client.ask(sid, "Write hi."))
+            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
+            waiting = of_type(events, "approval.requested")[0]
+            async with asyncio.timeout(15):
+                while not (listed := [a for a in await store.load()  # noqa: ASYNC110
+                                      if a.call_id == waiting.call_id]):
+                    await asyncio.sleep(0.1)
+            # A tool event that starts a turn of its own supersedes this one: the call
+            # ends without anyone deciding it.
+            await client.inject(sid, "crm:login", {"user": "ada"}, idempotency_key="in-1",
+                                trigger_processing=True)
+            assert isinstance(await asyncio.wait_for(asking, 30), TurnCancelled)
+        async with asyncio.timeout(15):
+            while any(a.call_id == waiting.call_id  # noqa: ASYNC110 - a KV, polled
+                      for a in await store.load()):
+                await asyncio.sleep(0.1)
+        # Gone because its call ended, not because it expired (the suite's approvals
+        # expire after 3 s, when a sweep would remove it anyway).
+        assert time.time() < listed[0].expires_at, time.time() - listed[0].expires_at
+    finally:
+        await p.stop()
 
 
 def _planner_process(tmp_path: Path, model: ScriptedChat, nats_url: str) -> Proc:
