@@ -344,7 +344,7 @@ async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_l
     try:
         async with EventWatch(bus, sid) as watch:
             model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
-                            (200, reply("Noted."))]
+                            *[(200, reply("Noted."))] * 3]
             asking = asyncio.create_task(client.ask(sid, "Write hi."))
             events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
             waiting = of_type(events, "approval.requested")[0]
@@ -364,6 +364,9 @@ async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_l
         # Gone because its call ended, not because it expired (the suite's approvals
         # expire after 3 s, when a sweep would remove it anyway).
         assert time.time() < listed[0].expires_at, time.time() - listed[0].expires_at
+        async with EventWatch(bus, sid) as watch:  # the tool event's turn, over before
+            await watch.until(lambda evs: bool(  # the next test's planner could take it
+                of_type(evs, "turn.completed") or of_type(evs, "turn.failed")))
     finally:
         await p.stop()
 
