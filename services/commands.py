@@ -38,7 +38,13 @@ try:
         encode_event,
         summarize,
     )
-    from schemas.ids import check_agent_name, check_session_id, check_tool_name, turn_id_for
+    from schemas.ids import (
+        check_agent_name,
+        check_session_id,
+        check_tool_name,
+        is_token,
+        turn_id_for,
+    )
     from schemas.requests import strip_controls
     from schemas.state import SessionState, encode_state, fold
     from services.config import (
@@ -233,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session")
     p.add_argument("--json", action="store_true", help="one event per line, then the state")
     p.add_argument("--until", type=_positive_int, default=None, metavar="SEQ",
-                   help="stop after this stream sequence")
+                   help="stop after this sequence of the events stream (the `seq` the "
+                        "timeline prints; not a count of the session's events)")
     p.add_argument("--full", action="store_true",
                    help="resolve results stored as references (object store) in the state")
     _add_nats(p)
@@ -745,15 +752,14 @@ async def _inject(url: str, args: argparse.Namespace) -> int:
             where = " (read from stdin)" if flag == "--result" and args.result == "-" else ""
             print(f"toolbus: {flag}{where} is not valid JSON: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    key = args.key
-    if key is None:
-        key = uuid.uuid4().hex
-        print(f"key: {key} (to retry without injecting twice: --key {key})", file=sys.stderr)
+    key = args.key if args.key is not None else uuid.uuid4().hex
     body = {"tool_id": args.tool_id, "arguments": values["--arguments"],
             "result": values["--result"], "idempotency_key": key,
             "trigger_processing": args.trigger}
     # Checked before connecting: what is wrong with it is a usage error, server or not.
     tool_event = parse_tool_event(_json.encode(body))
+    if args.key is None:  # only for a tool event that can be sent
+        print(f"key: {key} (to retry without injecting twice: --key {key})", file=sys.stderr)
     bus = await connect(url, name="toolbus-inject")
     client = ToolbusClient(bus)
     try:
@@ -985,6 +991,10 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
         body["note"] = args.note
     if args.command == "deny":
         body["reason"] = args.reason
+    if not is_token(args.call_id):
+        print(f"toolbus: invalid call id {args.call_id!r}: `toolbus approvals` lists the "
+              "ids of the calls waiting", file=sys.stderr)
+        return EXIT_USAGE
     bus = await connect(url, name="toolbus-decide")
     try:
         session = args.session

@@ -41,6 +41,8 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("chat", "hi", "--agent", "bad agent"), "invalid agent name 'bad agent'"),
     (("chat", "hi", "--timeout", "nan"), "argument --timeout: nan is not a positive"),
     (("tools", "show"), "tools show needs a NAME"),
+    (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
+    (("deny", "", "--reason", "no"), "invalid call id ''"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
                                             tmp_path: Path) -> None:
