@@ -211,6 +211,10 @@ def _scrape(client: httpx.Client, urls: Sequence[str], token: str | None) -> Scr
         if answer.status_code != 200:
             raise TopError(f"{url} answered {answer.status_code}: "
                            f"{answer.text.strip()[:200]}")
+        if "# TYPE " not in answer.text and not parse(answer.text):
+            raise TopError(f"{url} is not a metrics page (no Prometheus `# TYPE` line, no "
+                           "sample): point --url at /metrics of `toolbus up --http-port` "
+                           "(or at its --metrics-port)", EXIT_USAGE)
         texts.append(answer.text)
     return merge(texts, time.monotonic())
 

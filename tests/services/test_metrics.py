@@ -188,6 +188,13 @@ def test_top_fails_in_one_line(args: list[str], code: int, says: str) -> None:
     assert done.stdout == ""
 
 
+async def test_top_pointed_at_a_page_that_is_not_metrics_says_so(up: Up) -> None:
+    done = await asyncio.to_thread(run_toolbus, "top", "--url", f"{up.http}/healthz",
+                                   "--once")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "/healthz is not a metrics page" in done.stderr.strip().splitlines()[-1]
+
+
 async def test_top_with_a_wrong_token_says_so(up: Up, tmp_path: Path) -> None:
     wrong = tmp_path / "token"
     wrong.write_text("not-a-token\n")
