@@ -915,14 +915,19 @@ async def _tools(url: str, args: argparse.Namespace) -> int:
 
 def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
     from schemas.providers import compose_schema, export
+    from schemas.validation import Validator
 
     if args.format == "composed":
         output = None
         if args.output_schema is not None:
             try:
                 output = msgspec.json.decode(args.output_schema.read_bytes())
-            except (OSError, msgspec.DecodeError) as exc:
-                print(f"toolbus: --output-schema {args.output_schema}: {exc}", file=sys.stderr)
+                if not isinstance(output, dict):
+                    raise ValueError("a JSON Schema is an object")
+                Validator(output)  # checked as a manifest's output_schema is
+            except (OSError, ValueError) as exc:  # DecodeError and ConfigError among them
+                print(f"toolbus: --output-schema {args.output_schema}: "
+                      f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
                 return EXIT_USAGE
         _print_json(compose_schema(specs, output))
         return EXIT_OK

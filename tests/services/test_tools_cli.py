@@ -178,6 +178,22 @@ def test_a_bad_manifest_stops_up_before_anything_starts(tmp_path: Path) -> None:
     assert "tools.http[0].base_url: ${NOPE_NOT_SET} is not set" in out.stderr
 
 
+async def test_a_composed_export_checks_its_output_schema(
+        nats_url: str, system: dict[str, Any], tmp_path: Path) -> None:
+    for text, says in (('{"type": "nope"}', "invalid JSON Schema"),
+                       ("[1]", "a JSON Schema is an object"), ("{", "")):
+        schema = tmp_path / "out.json"
+        schema.write_text(text)
+        bad = await arun("tools", "export", "--format", "composed", "--output-schema",
+                         str(schema), "--nats", nats_url)
+        assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+        assert f"--output-schema {schema}: {says}" in bad.stderr.strip().splitlines()[-1]
+    schema.write_text('{"type": "object"}')
+    ok = await arun("tools", "export", "--format", "composed", "--output-schema", str(schema),
+                    "--nats", nats_url)
+    assert ok.returncode == 0 and json.loads(ok.stdout), ok.stderr
+
+
 async def test_call_takes_an_agent_whose_grants_apply(
         nats_url: str, system: dict[str, Any]) -> None:
     ok = await arun("call", "built-in:echo", '{"a": 1}', "--agent", "restricted",
