@@ -110,6 +110,9 @@ class EmbeddedServer:
         self.credentials = Credentials.ensure(self.data_dir)
         self.process: subprocess.Popen[bytes] | None = None
         self.preexec: Callable[[], None] | None = None
+        # Descriptors the server inherits: the data dir's lock, so that it stays held
+        # until the server is gone too, not only the process that started it.
+        self.pass_fds: tuple[int, ...] = ()
         self._log_path = self.data_dir / "nats-server.log"
         self.config_path = self.data_dir / "nats-server.conf"
 
@@ -155,6 +158,7 @@ class EmbeddedServer:
         self.process = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self.preexec,
+            pass_fds=self.pass_fds,
         )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:

@@ -925,7 +925,8 @@ def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
                 if not isinstance(output, dict):
                     raise ValueError("a JSON Schema is an object")
                 Validator(output)  # checked as a manifest's output_schema is
-            except (OSError, ValueError) as exc:  # DecodeError and ConfigError among them
+                Validator(compose_schema(specs, output))  # and where it ends up ($refs)
+            except (OSError, ValueError, RecursionError) as exc:  # DecodeError, ConfigError
                 print(f"toolbus: --output-schema {args.output_schema}: "
                       f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
                 return EXIT_USAGE
@@ -1000,6 +1001,8 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
         print(f"toolbus: invalid call id {args.call_id!r}: `toolbus approvals` lists the "
               "ids of the calls waiting", file=sys.stderr)
         return EXIT_USAGE
+    if args.session is not None:
+        check_session_id(args.session)  # before connecting: a usage error, server or not
     bus = await connect(url, name="toolbus-decide")
     try:
         session = args.session

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -516,9 +517,16 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
     if not url:
         if not auth:
             print(NO_AUTH_WARNING, file=sys.stderr, flush=True)
-        server = EmbeddedServer(data_dir, port=port, fsync=fsync, auth=auth)
-        server.preexec = die_with_parent  # it gets SIGTERM if toolbus dies without cleaning up
-        server.start()
+        try:
+            server = EmbeddedServer(data_dir, port=port, fsync=fsync, auth=auth)
+            server.preexec = die_with_parent  # SIGTERM if toolbus dies without cleaning up
+            if lock is not None:
+                server.pass_fds = (lock,)
+            server.start()
+        except BaseException:
+            if lock is not None:
+                os.close(lock)
+            raise
         url = server.url
     try:
         children = None
@@ -566,12 +574,16 @@ def _own_data_dir(data_dir: Path) -> int:
         return fd
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            log.warning("the data dir %s cannot be locked (%s): nothing stops a second "
+                        "`toolbus up` there", data_dir, exc.strerror or exc)
+            return fd
         holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        raise BusError(f"the data dir {data_dir} is in use by another `toolbus up`"
-                       f"{f' (pid {holder})' if holder.isdigit() else ''}: stop it, or give "
-                       "this one another --data-dir") from None
+        raise BusError(f"the data dir {data_dir} is in use by another `toolbus up` or the "
+                       f"nats-server it started{f' (pid {holder})' if holder.isdigit() else ''}"
+                       ": stop it, or give this one another --data-dir") from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd

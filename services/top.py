@@ -211,7 +211,8 @@ def _scrape(client: httpx.Client, urls: Sequence[str], token: str | None) -> Scr
         if answer.status_code != 200:
             raise TopError(f"{url} answered {answer.status_code}: "
                            f"{answer.text.strip()[:200]}")
-        if "# TYPE " not in answer.text and not parse(answer.text):
+        # Empty is a metrics page with nothing counted yet (a process just started).
+        if answer.text.strip() and "# TYPE " not in answer.text and not parse(answer.text):
             raise TopError(f"{url} is not a metrics page (no Prometheus `# TYPE` line, no "
                            "sample): point --url at /metrics of `toolbus up --http-port` "
                            "(or at its --metrics-port)", EXIT_USAGE)

@@ -434,6 +434,9 @@ def load_tools(target: str) -> list[LocalTool]:
         raise ConfigError(f"--tools {target}: cannot import it: {exc}") from exc
     except ConfigError:
         raise
+    except SystemExit as exc:  # its own command line, parsed at import: not toolbus's exit
+        raise ConfigError(f"--tools {target}: it called sys.exit({exc.code!r}) while it was "
+                          "imported") from None
     except Exception as exc:  # the module's own code failed while it was imported
         where = ""
         tb = exc.__traceback__
@@ -442,8 +445,9 @@ def load_tools(target: str) -> list[LocalTool]:
                     tb.tb_frame.f_globals.get("__name__") == target:
                 where = f" (line {tb.tb_lineno})"
             tb = tb.tb_next
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(f"--tools {target}: importing it failed{where}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+                          f"{type(exc).__name__}: {first}".rstrip(": ")) from exc
     found: list[LocalTool] = [v for v in vars(module).values() if isinstance(v, LocalTool)]
     for item in getattr(module, "TOOLS", []):
         if isinstance(item, LocalTool) and item not in found:

@@ -203,3 +203,14 @@ def test_a_data_dir_without_credentials_is_named_when_nothing_answers(
     assert out.returncode == 3, out.stderr
     assert _one_clear_line(out).startswith(
         f"toolbus: the data dir {tmp_path / 'typo'} holds no client credentials")
+
+
+def test_a_tools_module_that_exits_on_import_does_not_end_toolbus_quietly(
+        tmp_path: Path) -> None:
+    bad = tmp_path / "exits.py"
+    bad.write_text("import sys\nsys.exit(0)\n")
+    out = run_toolbus("up", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"),
+                      "--tools", str(bad), "--workers", "1")
+    assert out.returncode == 2, out.stderr
+    assert _one_clear_line(out) == f"toolbus: --tools {bad}: it called sys.exit(0) while " \
+        "it was imported"

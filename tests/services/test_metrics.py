@@ -5,8 +5,10 @@ prints them; bad flags and unreachable endpoints fail in one line."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import signal
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +188,30 @@ def test_top_fails_in_one_line(args: list[str], code: int, says: str) -> None:
     assert says in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+def test_top_reads_an_empty_metrics_page_as_nothing_counted_yet() -> None:
+    # A process that just started serves an empty page: not refused as "not metrics".
+    class Empty(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Empty)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = run_toolbus("top", "--url", f"http://127.0.0.1:{server.server_port}/metrics",
+                           "--once", timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("toolbus top")
 
 
 async def test_top_pointed_at_a_page_that_is_not_metrics_says_so(up: Up) -> None:

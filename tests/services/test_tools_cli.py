@@ -181,7 +181,11 @@ def test_a_bad_manifest_stops_up_before_anything_starts(tmp_path: Path) -> None:
 async def test_a_composed_export_checks_its_output_schema(
         nats_url: str, system: dict[str, Any], tmp_path: Path) -> None:
     for text, says in (('{"type": "nope"}', "invalid JSON Schema"),
-                       ("[1]", "a JSON Schema is an object"), ("{", "")):
+                       ("[1]", "a JSON Schema is an object"), ("{", ""),
+                       # valid alone, broken once nested under the composed `output`
+                       ('{"$defs": {"x": {"type": "string"}}, "$ref": "#/$defs/x"}',
+                        "invalid JSON Schema"),
+                       ("[" * 5000 + "]" * 5000, "")):
         schema = tmp_path / "out.json"
         schema.write_text(text)
         bad = await arun("tools", "export", "--format", "composed", "--output-schema",

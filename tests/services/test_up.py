@@ -144,14 +144,21 @@ async def test_a_second_up_on_a_data_dir_in_use_is_refused_and_changes_nothing(
     data = tmp_path / "data"
     up = Proc("up", "--port", str(free_port()), "--data-dir", str(data), ready="stop:")
     try:
-        await up.wait_ready()
+        banner = await up.wait_ready()
+        # The server holds the lock too: killed, `toolbus up` leaves it held until its
+        # nats-server is gone as well.
+        server = re.search(r"nats-server \(pid (\d+)\)", banner)
+        assert server is not None, banner
+        held = {os.readlink(f"/proc/{server.group(1)}/fd/{fd}")
+                for fd in os.listdir(f"/proc/{server.group(1)}/fd")}
+        assert str(data / "toolbus.lock") in held
         urls = {f.name: f.read_text() for f in (data / "auth").glob("*.url")}
         conf = (data / "nats-server.conf").read_text()
         second = await asyncio.to_thread(run_toolbus, "up", "--port", str(free_port()),
                                          "--data-dir", str(data))
         assert second.returncode == 3, second.stderr
-        assert f"the data dir {data} is in use by another `toolbus up` (pid {up.pid})" in \
-            second.stderr.strip().splitlines()[-1]
+        assert f"the data dir {data} is in use by another `toolbus up` or the nats-server " \
+            f"it started (pid {up.pid})" in second.stderr.strip().splitlines()[-1]
         # Its server never started: the store, the config and the credentials the
         # commands read still point at the first.
         assert {f.name: f.read_text() for f in (data / "auth").glob("*.url")} == urls
