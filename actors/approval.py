@@ -390,16 +390,23 @@ class ApprovalActor:
 
     async def _sweep(self) -> None:
         rounds = 0
+        cursor = 0  # where the last check for ended calls stopped, so all get their turn
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             now = self._clock()
             rounds += 1
+            pending = self._store.pending()
             # Now and then, the calls that ended without a human (their turn cancelled,
             # superseded by a tool event): nothing waits for their decision any more.
-            ended_check = rounds % _ENDED_CHECK_EVERY == 0
-            for n, item in enumerate(self._store.pending()):
+            checked: set[int] = set()
+            if rounds % _ENDED_CHECK_EVERY == 0 and pending:
+                start = cursor % len(pending)
+                checked = {(start + k) % len(pending)
+                           for k in range(min(_ENDED_CHECK_MAX, len(pending)))}
+                cursor = start + len(checked)
+            for n, item in enumerate(pending):
                 if item.expires_at > now:
-                    if ended_check and n < _ENDED_CHECK_MAX:
+                    if n in checked:
                         await self._drop_if_ended(item.session_id, item.call_id)
                     continue
                 try:

@@ -99,8 +99,9 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
         for pool in pools:
             tools = by_pool.get(pool, [])
             if not tools:
+                having = sorted(p for p, ts in by_pool.items() if ts)
                 raise ConfigError(f"pool {pool} has no tools to serve; the manifest puts "
-                                  f"tools in: {', '.join(sorted(by_pool))}")
+                                  f"tools in: {', '.join(having) or 'no pool'}")
             instance = settings.instance if len(pools) == 1 else (
                 f"{settings.instance}-{pool}" if settings.instance else None)
             executor = Executor(bus, tools, instance=instance, pool=pool,
