@@ -60,6 +60,7 @@ try:
         EXIT_OK,
         EXIT_USAGE,
         fill_std_fds,
+        tcp_port,
         terminable,
     )
     from services.process import run as _run
@@ -92,7 +93,7 @@ def _add_fsync(p: argparse.ArgumentParser) -> None:
 
 
 def _add_actor_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=_tcp_port, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=tcp_port, default=None, metavar="PORT",
                    help="serve Prometheus metrics on GET http://HOST:PORT/metrics, without a "
                         "token (default: off; --http-port serves /metrics too, with one)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
@@ -140,16 +141,6 @@ _positive_int.__name__ = "int"  # argparse names the type in its error messages
 _positive_float.__name__ = "float"
 
 
-def _tcp_port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 1 to 65535")
-    return value
-
-
-_tcp_port.__name__ = "port"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolbus", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -160,11 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-auth", action="store_true",
                    help="LOCAL EXPERIMENTS ONLY: the embedded server accepts anyone on its "
                         "port, who can then forge results and approvals and run any tool")
-    p.add_argument("--port", type=_tcp_port, default=4222,
+    p.add_argument("--port", type=tcp_port, default=4222,
                    help="embedded server port (default 4222)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="embedded server data folder (default: the user data dir)")
-    p.add_argument("--http-port", type=_tcp_port, default=None, metavar="PORT",
+    p.add_argument("--http-port", type=tcp_port, default=None, metavar="PORT",
                    help="serve the HTTP gateway on 127.0.0.1:PORT (default: off)")
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help="processes: this one runs the session and approval actors, N-1 "

@@ -4,6 +4,7 @@ runtime and the worker supervisor all import it without a cycle."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -29,6 +30,18 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535 (an int would take 99999, and the socket
+    then listen on 99999 - 65536)."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 1 to 65535")
+    return value
+
+
+tcp_port.__name__ = "port"  # argparse names the type in its error messages
 
 
 def fill_std_fds() -> None:

@@ -44,6 +44,7 @@ from typing import Any, Final, cast
 import msgspec
 
 from services.process import run as run_loop
+from services.process import tcp_port
 
 DEFAULT_TOOL: Final = "built-in__echo"
 MAX_HEAD: Final = 64 * 1024
@@ -250,21 +251,11 @@ async def listen(model: SampleModel, *, host: str = "127.0.0.1",
                                                           host, port)
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 1 to 65535")
-    return value
-
-
-_port.__name__ = "int"  # argparse names the type in its error messages
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.sample_llm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8780)
+    p.add_argument("--port", type=tcp_port, default=8780)
     p.add_argument("--tool", default=DEFAULT_TOOL,
                    help=f"the provider name of the tool to call (default {DEFAULT_TOOL})")
     p.add_argument("--api-key", default=os.environ.get("SAMPLE_LLM_KEY") or None,

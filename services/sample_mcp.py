@@ -28,6 +28,8 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ListToolsResult, ToolAnnotations
 from pydantic import BaseModel, Field
 
+from services.process import tcp_port
+
 CARS = [
     {"id": "c1", "make": "Renault", "model": "Zoe", "price_per_day": 39.0, "seats": 5},
     {"id": "c2", "make": "Peugeot", "model": "308", "price_per_day": 52.0, "seats": 5},
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=["streamable-http", "sse", "stdio"],
                    default="streamable-http")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--port", type=tcp_port, default=8765)
     p.add_argument("--api-key", default=None)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--extra-tools", type=int, default=0)

@@ -117,10 +117,6 @@ class _Messages(Assembly):
             self.out.append({"role": "user", "content": self.results + self.texts})
             self.results, self.texts = None, []
 
-    def done(self) -> list[Any]:
-        self._close()
-        return self.out
-
     def resumed(self) -> _Messages:
         other = super().resumed()
         other.results = None if self.results is None else self.results[:]

@@ -36,7 +36,11 @@ class Assembly:
     def push(self, m: Message) -> None:
         raise NotImplementedError
 
+    def _close(self) -> None:
+        """Move what may still change (a merged run of results) into `out`."""
+
     def done(self) -> list[Any]:
+        self._close()
         return self.out
 
     def resumed(self) -> Self:

@@ -133,10 +133,6 @@ class _Contents(Assembly):
             self.out.append({"role": "user", "parts": self.results})
             self.results = None
 
-    def done(self) -> list[Any]:
-        self._close()
-        return self.out
-
     def resumed(self) -> _Contents:
         other = super().resumed()
         other.results = None if self.results is None else self.results[:]

@@ -52,8 +52,9 @@ def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
     assert says in _one_clear_line(out)
 
 
-def test_the_sample_model_server_refuses_a_port_that_is_not_one() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.sample_llm", "--port", "99999"],
+@pytest.mark.parametrize("module", ["services.sample_llm", "services.sample_mcp"])
+def test_the_sample_servers_refuse_a_port_that_is_not_one(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "--port", "99999"],
                          capture_output=True, text=True, timeout=30, cwd=REPO)
     assert out.returncode == 2
     assert "99999 is not a TCP port: give 1 to 65535" in _one_clear_line(out)
