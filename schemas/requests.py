@@ -230,6 +230,25 @@ def _parse_messages(value: Any) -> tuple[str, list[ChatMessage]]:
     return last.content, history
 
 
+# A `\uD800`-`\uDFFF` escape that is not half of a pair: JSON's grammar allows it, but it
+# is no character, and msgspec refuses it as "Input data was truncated".
+_LONE_SURROGATE: Final = re.compile(
+    rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<![0-9a-fA-F]{2}\\u)\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+
+
+def json_error(exc: Exception, data: bytes | str) -> str:
+    """What is wrong with JSON text msgspec refused: its own words, except for a lone
+    UTF-16 surrogate escape, which it calls truncation."""
+    if isinstance(exc, msgspec.DecodeError) and "truncated" in str(exc):
+        raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+        found = _LONE_SURROGATE.search(raw)
+        if found is not None:
+            return (f"{found.group(1).decode()} at byte {found.start(1)} is half of a "
+                    "UTF-16 surrogate pair, which is not a character")
+    return str(exc)
+
+
 def decode_json(data: bytes, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode untrusted JSON within the decoder's limits, or raise `InvalidRequestError`.
 
@@ -238,8 +257,8 @@ def decode_json(data: bytes, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> A
     try:
         body = msgspec.json.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError("malformed_json", f"{what} is not valid JSON (UTF-8): {exc}"
-                                  ) from exc
+        raise InvalidRequestError("malformed_json", f"{what} is not valid JSON (UTF-8): "
+                                  f"{json_error(exc, data)}") from exc
     except RecursionError as exc:
         raise InvalidRequestError("nested_too_deep", f"{what} nests deeper than "
                                   f"{max_depth} levels") from exc

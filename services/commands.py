@@ -669,11 +669,13 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
 async def _call(url: str, args: argparse.Namespace) -> int:
     from bus.artifacts import ArtifactStore
     from bus.client import ToolbusClient
+    from schemas.requests import json_error
 
     try:
         arguments: Any = msgspec.json.decode(args.arguments)
     except msgspec.DecodeError as exc:
-        print(f"toolbus: ARGUMENTS is not valid JSON: {exc}", file=sys.stderr)
+        print(f"toolbus: ARGUMENTS is not valid JSON: {json_error(exc, args.arguments)}",
+              file=sys.stderr)
         return EXIT_USAGE
     session = check_session_id(args.session) if args.session else f"cli-{uuid.uuid4().hex[:12]}"
     bus = await connect(url, name="toolbus-call")
@@ -724,7 +726,7 @@ async def _call(url: str, args: argparse.Namespace) -> int:
 async def _inject(url: str, args: argparse.Namespace) -> int:
     from bus.client import ToolbusClient
     from schemas.errors import InvalidRequestError
-    from schemas.requests import DEFAULT_MAX_REQUEST_BYTES, parse_tool_event
+    from schemas.requests import DEFAULT_MAX_REQUEST_BYTES, json_error, parse_tool_event
 
     sid = check_session_id(args.session)
     # Bounded: a tool event over the limit is refused below, whatever its length.
@@ -741,7 +743,8 @@ async def _inject(url: str, args: argparse.Namespace) -> int:
             values[flag] = msgspec.json.decode(text)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             where = " (read from stdin)" if flag == "--result" and args.result == "-" else ""
-            print(f"toolbus: {flag}{where} is not valid JSON: {exc}", file=sys.stderr)
+            print(f"toolbus: {flag}{where} is not valid JSON: {json_error(exc, text)}",
+                  file=sys.stderr)
             return EXIT_USAGE
     key = args.key if args.key is not None else uuid.uuid4().hex
     body = {"tool_id": args.tool_id, "arguments": values["--arguments"],

@@ -11,6 +11,10 @@ from schemas.requests import parse_request
     ("body", "reason", "words"),
     [
         (b"{not json", "malformed_json", "not valid JSON"),
+        (b'{"message": "hi \\ud83d"}', "malformed_json",
+         "\\ud83d at byte 16 is half of a UTF-16 surrogate pair"),
+        (b'{"message": "\\\\ud800 \\ud83d\\ude00 \\udc00"}', "malformed_json",
+         "invalid utf-16 surrogate pair"),
         (b"[1, 2]", "invalid_request", "must be a JSON object, got an array"),
         (b'{"calls": "echo"}', "invalid_request", "calls must be a list"),
         (b'{"calls": []}', "invalid_request", "calls is empty"),

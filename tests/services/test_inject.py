@@ -351,6 +351,8 @@ async def test_toolbus_inject_without_a_key_makes_one_and_prints_it(
      "--arguments is not valid JSON"),
     (("s1", "injected:x", "--result", "1", "--arguments", "[1]"),
      "arguments must be an object"),
+    (("s1", "injected:x", "--result", '"\\ud800"'),
+     "\\ud800 at byte 1 is half of a UTF-16 surrogate pair"),
     (("s1", "nocolon", "--result", "1"), "tool_id must be a label written namespace:name"),
     (("s1", "a:b:c", "--result", "1"), "tool_id must be a label"),
     (("s1", "injected:x", "--result", "1", "--key", ""), "idempotency_key must be"),
