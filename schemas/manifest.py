@@ -180,6 +180,10 @@ class CodeConfig(_Model):
 class GitConfig(_Model):
     repo: str
     allow_write: bool = False  # also register built-in:git, which runs any subcommand
+    # built-in:git_read runs git in the code tool's bubblewrap sandbox, seeing only the
+    # repository (read-only) and the system's folders, without network; `process` runs
+    # it as a plain subprocess of the executor (argument checks only).
+    isolation: Literal["sandbox", "process"] = "sandbox"
     timeout_ms: Annotated[int, Field(gt=0)] = 30_000
     max_output_bytes: Annotated[int, Field(gt=0)] = 32 * 1024
     pool: PoolName = DEFAULT_POOL

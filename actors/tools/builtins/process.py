@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from actors.tools import ToolError
@@ -33,14 +33,36 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, i
     return bytes(kept), cut
 
 
+def close_inherited(keep: Collection[int] = ()) -> None:
+    """In a child between fork and exec: mark every open file but stdio and `keep` to
+    close on exec. `subprocess` closes them itself, but uvloop's subprocesses inherit
+    every inheritable descriptor of the process (a worker's stdout pipe, a log file, the
+    terminal), which a tool's child must not write to or read from."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every descriptor up to the limit
+        fds = list(range(3, os.sysconf("SC_OPEN_MAX")))
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):  # the listing's own, closed by now
+                os.set_inheritable(fd, False)
+
+
 async def run_capped(argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
                      timeout_ms: int, cap: int, what: str,
                      preexec: Callable[[], None] | None = None) -> Finished:
-    """Run `argv` to completion, or raise `ToolError(timeout)` naming `what`."""
+    """Run `argv` to completion, or raise `ToolError(timeout)` naming `what`. The child
+    gets stdio and nothing else of this process's open files."""
+
+    def setup() -> None:  # pragma: no cover - runs in the child
+        if preexec is not None:
+            preexec()
+        close_inherited()
+
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=cwd, env=dict(env), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        start_new_session=True, preexec_fn=preexec,
+        start_new_session=True, preexec_fn=setup,
     )
     try:
         return await collect(proc, timeout_ms=timeout_ms, cap=cap, what=what)

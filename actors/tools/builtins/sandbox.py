@@ -59,13 +59,13 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import NoReturn
 
-from actors.tools.builtins.process import Finished, collect
+from actors.tools.builtins.process import Finished, close_inherited, collect
 from schemas.errors import ConfigError
 
 TMP = "/tmp"  # the sandbox's working folder: a tmpfs, its only writable place
@@ -305,9 +305,12 @@ class Sandbox:
         return {"PATH": path, "HOME": TMP, "TMPDIR": TMP}
 
     def argv(self, command: Sequence[str], *, script_fd: int, script_name: str,
-             alive_fd: int, seccomp_fd: int) -> list[str]:
+             alive_fd: int, seccomp_fd: int, read_only: Sequence[str] = (),
+             chdir: str = TMP) -> list[str]:
         """bwrap's command line running `command` (paths as seen inside) under our init,
-        for a child that ran `child_setup` (bwrap binds the /tmp that mounted)."""
+        for a child that ran `child_setup` (bwrap binds the /tmp that mounted).
+        `read_only`: host folders to show read-only at the same path; `chdir`: where
+        `command` starts."""
         a = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1",
              "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox",
              "--unshare-cgroup-try"]
@@ -336,17 +339,26 @@ class Sandbox:
         for src, dest in binds:
             a += ["--ro-bind-try", src, dest]
         # The tmpfs child_setup mounted, in its own namespace, on an empty folder of ours.
-        a += ["--bind", _mount_point(), TMP, "--file", str(script_fd), f"{TMP}/{script_name}",
-              "--chdir", TMP, "--seccomp", str(seccomp_fd)]
+        a += ["--bind", _mount_point(), TMP, "--file", str(script_fd), f"{TMP}/{script_name}"]
+        # After /tmp: what is shown from under the host's /tmp is not hidden by the tmpfs.
+        for path in read_only:
+            for d in _ancestors(path):
+                if d not in _SYSTEM and d != TMP:
+                    a += ["--perms", "0755", "--dir", d]
+            a += ["--ro-bind", path, path]
+        a += ["--chdir", chdir, "--seccomp", str(seccomp_fd)]
         # In a user namespace the sandbox's user owns the root and /dev tmpfs bwrap made.
         a += ["--remount-ro", "/dev", "--remount-ro", "/"]
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if self.as_root else -1
         return [*a, "--", self.python, "-I", "-S", "-c", _INIT,
                 str(self.max_processes), str(uid), str(alive_fd), *command]
 
-    def child_setup(self, then: Callable[[], None] | None = None) -> Callable[[], None]:
+    def child_setup(self, then: Callable[[], None] | None = None, *,
+                    keep: Sequence[int] = ()) -> Callable[[], None]:
         """The preexec_fn of bwrap's process: `then` (the caller's rlimits), then ours (see
-        the module docstring). A failed step ends the child with _SETUP_FAILED."""
+        the module docstring). A failed step ends the child with _SETUP_FAILED. Of the
+        executor's open files only stdio and `keep` reach bwrap (uvloop, unlike
+        `subprocess`, does not close the others)."""
         libc = _libc()
         keyctl = syscall_numbers(self.machine)["keyctl"]
         uid, gid = os.getuid(), os.getgid()
@@ -360,6 +372,7 @@ class Sandbox:
         def setup() -> None:  # pragma: no cover - runs in the child
             if then is not None:
                 then()
+            close_inherited(keep)
             resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
             # Best effort: a container may deny keyctl, or the key quota be spent; the
             # seccomp filter denies every keyring call inside in any case.
@@ -386,37 +399,45 @@ class Sandbox:
                 _fail(f"cannot mount a tmpfs at {where.decode()}", ctypes.get_errno())
         return setup
 
-    def check(self) -> str | None:
-        """Start one real sandbox running Python; None if it works, else why not."""
+    def check(self, command: Sequence[str] | None = None, *, expect: bytes = b"ok\n",
+              read_only: Sequence[str] = (), chdir: str = TMP,
+              env: Mapping[str, str] | None = None) -> str | None:
+        """Start one real sandbox running `command` (Python printing ok), blocking; None
+        if it printed `expect` and exited with 0, else why not."""
         with _Fds("main.py", b"print('ok')", self.seccomp) as fds:
             try:
                 done = subprocess.run(
-                    self.argv([self.python, "-I", "-S", "main.py"], script_fd=fds.script,
-                              script_name="main.py", alive_fd=fds.alive_r,
-                              seccomp_fd=fds.seccomp),
-                    env=self.env, stdin=subprocess.DEVNULL, capture_output=True,
-                    timeout=30, pass_fds=fds.passed, start_new_session=True,
-                    preexec_fn=self.child_setup(), check=False)
+                    self.argv(command or [self.python, "-I", "-S", "main.py"],
+                              script_fd=fds.script, script_name="main.py",
+                              alive_fd=fds.alive_r, seccomp_fd=fds.seccomp,
+                              read_only=read_only, chdir=chdir),
+                    env={**self.env, **(env or {})}, stdin=subprocess.DEVNULL,
+                    capture_output=True, timeout=30, pass_fds=fds.passed,
+                    start_new_session=True, preexec_fn=self.child_setup(keep=fds.passed),
+                    check=False)
             except (OSError, subprocess.SubprocessError) as exc:
                 return str(exc)
-        if done.returncode == 0 and done.stdout == b"ok\n":
+        if done.returncode == 0 and done.stdout == expect:
             return None
         err = done.stderr.decode("utf-8", errors="replace").strip()
         return err or f"the sandbox exited with {done.returncode} and printed nothing"
 
     async def run(self, command: Sequence[str], *, script: bytes, script_name: str,
                   timeout_ms: int, cap: int, what: str,
-                  preexec: Callable[[], None] | None = None) -> Finished:
+                  preexec: Callable[[], None] | None = None, read_only: Sequence[str] = (),
+                  chdir: str = TMP, env: Mapping[str, str] | None = None) -> Finished:
         """Run `command` in a fresh sandbox holding `script` in its /tmp; like
         `run_capped`, raise `ToolError(timeout)` naming `what`. Every process of the
-        sandbox is gone when this returns."""
+        sandbox is gone when this returns. `read_only` and `chdir` as for `argv`; `env`
+        is added to the sandbox's own."""
         with _Fds(script_name, script, self.seccomp) as fds:
             proc = await asyncio.create_subprocess_exec(
                 *self.argv(command, script_fd=fds.script, script_name=script_name,
-                           alive_fd=fds.alive_r, seccomp_fd=fds.seccomp),
-                env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                           alive_fd=fds.alive_r, seccomp_fd=fds.seccomp,
+                           read_only=read_only, chdir=chdir),
+                env={**self.env, **(env or {})}, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, preexec_fn=self.child_setup(preexec),
+                start_new_session=True, preexec_fn=self.child_setup(preexec, keep=fds.passed),
                 pass_fds=fds.passed)
             fds.close(*fds.passed)
             try:

@@ -472,6 +472,35 @@ def test_the_sandbox_runs_under_uvloop_as_in_toolbus_up() -> None:
     uvloop.run(calls())
 
 
+@pytest.mark.parametrize("isolation", ["sandbox", "process"])
+def test_code_gets_none_of_the_executor_open_files_under_uvloop(tmp_path: Path,
+                                                               isolation: str) -> None:
+    # uvloop, unlike `subprocess`, hands a child every inheritable descriptor: a worker's
+    # stdout pipe, its log file, the operator's terminal, which the code could write to.
+    uvloop = pytest.importorskip("uvloop")
+    t = code_tool(CodeConfig(isolation=isolation), path_env=PATH)  # type: ignore[arg-type]
+    log = (tmp_path / "up.log").open("w")
+    read_end, write_end = os.pipe()
+    try:
+        for fd in (log.fileno(), write_end):
+            os.set_inheritable(fd, True)
+
+        async def call() -> list[str]:
+            out = await run_tool(t, {"code": "import os; print(sorted(os.listdir("
+                                               "'/proc/self/fd'), key=int))"})
+            assert out["ok"], out["stderr"]
+            return json.loads(out["stdout"].replace("'", '"'))
+
+        # 0-2, and the listing's own; the sandbox's init also holds its `alive` pipe.
+        seen = uvloop.run(call())
+        assert str(log.fileno()) not in seen and str(write_end) not in seen, seen
+        assert len(seen) <= 5, seen
+    finally:
+        log.close()
+        os.close(read_end)
+        os.close(write_end)
+
+
 async def test_code_timeout_output_cap_and_memory_limit() -> None:
     t = code_tool(CodeConfig(timeout_ms=500, max_output_bytes=1000, memory_mb=64),
                   path_env=PATH)
