@@ -30,8 +30,7 @@ from typing import Any, Literal
 
 from actors.tools import LocalTool, ToolError, tool
 from actors.tools.builtins.process import Finished, run_capped
-from actors.tools.builtins.sandbox import TMP_BYTES, TMP_FILES, Sandbox
-from schemas.errors import ConfigError
+from actors.tools.builtins.sandbox import TMP_BYTES, TMP_FILES, Sandbox, checked_sandbox
 from schemas.manifest import CodeConfig
 
 _MAX_FILE_BYTES = 64 << 20
@@ -48,18 +47,10 @@ def _limits(cpu_s: int, mem_mb: int) -> Any:
 
 
 def _sandbox(cfg: CodeConfig) -> Sandbox:
-    try:
-        box = Sandbox.for_this_machine(network=cfg.network, max_processes=cfg.max_processes)
-        problem = box.check()
-    except ConfigError as exc:
-        problem = str(exc)
-    if problem is not None:
-        raise ConfigError(
-            f"tools.code: built-in:code_execute cannot start its bubblewrap sandbox: "
-            f"{problem}. Allow unprivileged user namespaces on this machine (or run the "
-            f"executor as root), or set `isolation: process` under tools.code to run the "
-            f"code as a plain subprocess that sees the executor's files and network")
-    return box
+    return checked_sandbox("tools.code", "built-in:code_execute", network=cfg.network,
+                           max_processes=cfg.max_processes,
+                           instead=" to run the code as a plain subprocess that sees the "
+                                   "executor's files and network")
 
 
 def code_tool(cfg: CodeConfig, *, path_env: str) -> LocalTool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from actors.tools import LocalTool, ToolError, tool
 from actors.tools.builtins.process import Finished, run_capped
-from actors.tools.builtins.sandbox import Sandbox
+from actors.tools.builtins.sandbox import checked_sandbox
 from schemas.errors import ConfigError
 from schemas.manifest import GitConfig
 
@@ -170,16 +170,8 @@ class _SandboxedGit:
             raise ConfigError(f"tools.git: no git on PATH ({path_env})")
         git = os.path.realpath(git)
         self.git = git
-        try:
-            self.box = Sandbox.for_this_machine(network=False, max_processes=16)
-            problem = self.box.check()
-        except ConfigError as exc:
-            problem = str(exc)
-        if problem is not None:
-            raise ConfigError(
-                f"tools.git: built-in:git_read cannot start its bubblewrap sandbox: "
-                f"{problem}. Allow unprivileged user namespaces on this machine (or run "
-                f"the executor as root), or set `isolation: process` under tools.git")
+        self.box = checked_sandbox("tools.git", "built-in:git_read", network=False,
+                                   max_processes=16)
         # git and its helpers, when they live outside the folders every sandbox has.
         self.read_only = [str(repo), *(d for d in {os.path.dirname(git)}
                                        if not d.startswith(("/usr/", "/bin", "/lib")))]

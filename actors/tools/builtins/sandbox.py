@@ -455,6 +455,24 @@ class Sandbox:
                         await proc.wait()
 
 
+def checked_sandbox(section: str, tool: str, *, network: bool, max_processes: int,
+                    instead: str = "") -> Sandbox:
+    """This machine's sandbox, once one real run worked; else `ConfigError` naming the
+    manifest `section`, the `tool`, why, and the escape hatch (`instead` says what it
+    gives up)."""
+    try:
+        box = Sandbox.for_this_machine(network=network, max_processes=max_processes)
+        problem = box.check()
+    except ConfigError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise ConfigError(
+            f"{section}: {tool} cannot start its bubblewrap sandbox: {problem}. Allow "
+            f"unprivileged user namespaces on this machine (or run the executor as root), "
+            f"or set `isolation: process` under {section}{instead}")
+    return box
+
+
 @functools.cache
 def _mount_point() -> str:
     """An empty folder of this process, where each run's child mounts its tmpfs (in its
