@@ -65,7 +65,7 @@ import msgspec
 
 from actors import compress
 from actors.composed import composed_prompt, composed_schema, flatten, read_composed
-from actors.compressor import Compression, view_due
+from actors.compressor import CONTEXT_STATUS, RECALL, Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import WireMemo, complete
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
@@ -110,6 +110,7 @@ from schemas.ids import (
     turn_reevaluated_id,
 )
 from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
+from schemas.policy import Policy, evaluate
 from schemas.requests import MAX_TRANSFORM_CHARS
 from schemas.state import (
     CallState,
@@ -133,6 +134,7 @@ EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
 # Model calls one delivery makes at most before it leaves the rest to the next one.
 _ANSWERS_PER_DELIVERY = 8
+_PERMITS_KEPT = 4096  # (tool, agent, session) policy verdicts remembered at most
 # The events the planner decides on (each partition's consumer filters these).
 _CONSUMED = ("turn.requested", "model.requested", "model.responded", "policies.matched",
              "turn.reevaluated", "output.emitted", "output.rejected", "call.succeeded",
@@ -156,6 +158,9 @@ class Offer:
     model: str
     tools: tuple[ToolSpec, ...] = ()
     catalog: Mapping[str, ToolSpec] = field(default_factory=dict)
+    # Whether the policy lets `agent` call the tool `name` at all (in this session): one it
+    # would refuse is not offered.
+    permits: Callable[[str, str | None], bool] = lambda name, agent: True
 
 
 @dataclass(frozen=True, eq=False)
@@ -615,15 +620,18 @@ def active_policies(rules: Rules, turn: TurnState) -> list[AgentPolicy]:
 
 def offered_tools(rules: Rules, offer: Offer, turn: TurnState) -> list[ToolSpec]:
     """The tools of the next chat step: when a policy that applies names tools, the union
-    of those and the global reevaluation tools (those found in the catalog); otherwise
-    every tool the planner may offer. Plus `built-in:emit_output` with an output
-    schema."""
+    of those, the global reevaluation tools and the context tools (a preview of a large
+    result says to recall it), those found in the catalog; otherwise every tool the
+    planner may offer. Of these, those the policy lets the turn's agent call. Plus
+    `built-in:emit_output` with an output schema."""
     named = [t for p in active_policies(rules, turn) for t in p.tools]
     if named:
-        names = dict.fromkeys([*named, *sorted(rules.reevaluation_tools)])
+        names = dict.fromkeys([*named, *sorted(rules.reevaluation_tools), RECALL,
+                               CONTEXT_STATUS])
         specs = [offer.catalog[n] for n in names if n in offer.catalog]
     else:
         specs = [s for s in offer.tools if s.name != EMIT_OUTPUT]
+    specs = [s for s in specs if offer.permits(s.name, turn.agent)]
     if rules.emit is not None:
         specs.append(rules.emit)
     return specs
@@ -1025,8 +1033,13 @@ class Planner:
                  instance: str | None = None,
                  approval: InlineApproval | None = None,
                  max_parallel: int = 3,
+                 policy: Policy | None = None,
                  clock: Callable[[], float] = time.time) -> None:
+        """`policy`: the execution policy; a tool it would refuse the turn's agent is
+        not offered to the model."""
         self._bus = bus
+        self._policy = policy
+        self._permitted: dict[tuple[str, str | None, str], tuple[ToolSpec, bool]] = {}
         # With the approval actor in this process, the model's calls are approved and
         # dispatched as they are stored (`settle_calls`); the events are the same.
         self._approval = approval
@@ -1101,14 +1114,40 @@ class Planner:
         n = self._bus.partitions
         self._states.forget(lambda sid: partition(sid, n) != part)
 
-    def _offer(self, agent: str | None = None) -> Offer:
+    def _offer(self, sid: str, agent: str | None = None) -> Offer:
         specs = self._catalog.all()
         profile = self._agents.get(agent or "")
         settings, offered = ((self._settings, self._offered) if profile is None
                              else (profile.settings, profile.tools))
+        catalog = {s.name: s for s in specs}
         return Offer(provider=settings.provider, model=settings.model,
-                     tools=tuple(s for s in specs if offered(s)),
-                     catalog={s.name: s for s in specs})
+                     tools=tuple(s for s in specs if offered(s)), catalog=catalog,
+                     permits=self._permits(sid, catalog))
+
+    def _permits(self, sid: str, catalog: Mapping[str, ToolSpec]
+                 ) -> Callable[[str, str | None], bool]:
+        """Whether the policy lets an agent call a tool of `catalog` in session `sid`,
+        remembered by tool, agent and (when the policy grants by session) session."""
+        policy = self._policy
+        if policy is None:
+            return lambda name, agent: True
+        where = sid if policy.sessions else ""
+        known = self._permitted
+
+        def permits(name: str, agent: str | None) -> bool:
+            spec = catalog.get(name)
+            if spec is None:
+                return False
+            found = known.get((name, agent, where))
+            if found is not None and found[0] is spec:
+                return found[1]
+            if len(known) > _PERMITS_KEPT:
+                known.clear()
+            ok = evaluate(spec, session_id=sid, agent=agent, policy=policy).kind != "reject"
+            known[(name, agent, where)] = (spec, ok)
+            return ok
+
+        return permits
 
     def _profile(self, agent: str | None) -> tuple[Rules, ModelSettings]:
         """The rules and model of a turn of `agent`: a named agent's, or the planner's."""
@@ -1165,8 +1204,9 @@ class Planner:
         await delivery.ack()
 
     def _decide(self, state: SessionState) -> list[Append]:
-        offer = self._offer()
-        agents = {name: (self._offer(name), p.rules) for name, p in self._agents.items()}
+        sid = state.session_id
+        offer = self._offer(sid)
+        agents = {name: (self._offer(sid, name), p.rules) for name, p in self._agents.items()}
         return decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
                       max_tokens=self._max_tokens, rules=self._rules, agents=agents,
                       compression=self._compression)
@@ -1251,7 +1291,7 @@ class Planner:
         else:
             system = system_prompt(rules, turn)
             messages = transcript(state, turn, self._compression, self._history)
-            tools = offered_tools(rules, self._offer(turn.agent), turn)
+            tools = offered_tools(rules, self._offer(sid, turn.agent), turn)
             publish = self._delta_publisher(sid, asked)
             if rules.mode == "composed":
                 schema = composed_schema(tools, rules.output_schema, emit_output=EMIT_OUTPUT)

@@ -90,8 +90,17 @@ def permissions(role: str, user: str | None = None) -> dict[str, dict[str, list[
     publish = [f"{REQUESTS_PREFIX}.*", f"{STATE_PREFIX}.*", *reads]
     if role == "approver":
         publish += [f"{APPROVAL_PREFIX}.*.*.{user}", *_read_stream(f"KV_{APPROVALS_BUCKET}")]
+    # Replies only on its own inbox prefix: client and approver share an account, and an
+    # approver's answers (pending approvals, their arguments) are not for a client.
     return {"publish": {"allow": publish},
-            "subscribe": {"allow": ["_INBOX.>", f"{LIVE_PREFIX}.>"]}}
+            "subscribe": {"allow": [f"{inbox_prefix(user)}.>", f"{LIVE_PREFIX}.>"]}}
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a user's replies arrive (`<prefix>.<unique>`): `_INBOX_<user>`. toolbus's
+    connections use it; another NATS client connecting as `client` or `approver` must set
+    it too (nats-py `inbox_prefix=`, the `nats` CLI's `--inbox-prefix`)."""
+    return f"_INBOX_{user}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.auth import redact
+from bus.auth import inbox_prefix, redact
 from schemas.errors import (
     AuthError,
     BusError,
@@ -183,6 +183,9 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
     }
+    user = options.get("user")
+    if user is not None and is_token(user):
+        options["inbox_prefix"] = inbox_prefix(user)  # the only replies its role may read
     errors: list[str] = []
     try:
         nc = await nats.connect(**options)
@@ -195,7 +198,6 @@ async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:
         raise ConnectError(safe_url, f"{type(exc).__name__}: {redact(str(exc))}") from exc
     nc_ref.append(nc)
     nc.options["max_reconnect_attempts"] = -1
-    user = _credentials(servers).get("user")
     bus = Bus(nc=nc, js=nc.jetstream(), url=safe_url, user=user)
     bus_ref.append(bus)
     return bus

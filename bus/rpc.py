@@ -80,7 +80,7 @@ class Responder:
 
 # Where answers may go: a requester's inbox, or the private subject NATS gives a request
 # that crossed from another account (bus/auth.py).
-_REPLY_PREFIXES = ("_INBOX.", "_R_.")
+_REPLY_PREFIXES = ("_INBOX.", "_INBOX_", "_R_.")  # `_INBOX_<user>.`: bus/auth.py
 
 
 class _ErrorReply(msgspec.Struct):

@@ -38,6 +38,7 @@ request goes through it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -56,6 +57,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -84,6 +86,13 @@ from schemas.state import SessionState, encode_state
 log = logging.getLogger("toolbus.gateway")
 
 MAX_BODY: Final = 256 * 1024
+# Slow clients: a request's head must arrive within HEAD_TIMEOUT_S of the connection (or of
+# the answer before it), its body within BODY_TIMEOUT_S; at most MAX_CONNECTIONS are open
+# at once, the rest closed as they come. Before any authentication, so that connections
+# left open on purpose cannot use up the process's files.
+HEAD_TIMEOUT_S: Final = 10.0
+BODY_TIMEOUT_S: Final = 30.0
+MAX_CONNECTIONS: Final = 512
 ROLES: Final = ("client", "approver", "admin")
 # Loopback names only: a browser reaching the gateway under any other name came through
 # someone else's DNS.
@@ -279,10 +288,18 @@ async def _json_body(request: Request) -> tuple[bytes, Any]:
     if declared.isdigit() and int(declared) > MAX_BODY:
         raise _refuse(413, f"request body over {MAX_BODY} bytes")
     body = bytearray()
-    async for chunk in request.stream():  # bounded as it arrives, not after
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise _refuse(413, f"request body over {MAX_BODY} bytes")
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():  # bounded as it arrives, not after
+                body += chunk
+                if len(body) > MAX_BODY:
+                    raise _refuse(413, f"request body over {MAX_BODY} bytes")
+    except TimeoutError:
+        raise _refuse(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"
+                      ) from None
+    except ClientDisconnect:  # nobody reads the answer; not the gateway's failure
+        raise _refuse(400, "the client closed the connection before its body ended"
+                      ) from None
     try:
         return bytes(body), decode_json(bytes(body), what="body")
     except InvalidRequestError as exc:
@@ -459,8 +476,59 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     mapped = as_bus_error(exc)
     if mapped is not None:
         return _error(503, str(mapped))
+    if isinstance(exc, ClientDisconnect):  # gone before its request ended: nobody to tell
+        return _error(400, "the client closed the connection")
     log.error("gateway: %s %s failed", request.method, request.url.path, exc_info=exc)
     return _error(500, "internal error (logged by the gateway)")
+
+
+# --- slow and idle connections --------------------------------------------------------------
+
+
+def guarded_protocol() -> type:
+    """uvicorn's HTTP/1.1 protocol, with the limits above (HEAD_TIMEOUT_S, MAX_CONNECTIONS);
+    uvicorn itself waits for a request's head forever and takes any number of
+    connections."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # only with the gateway
+
+    class Guarded(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _waiting_for: object = None  # the scope when the timer started
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > MAX_CONNECTIONS:
+                log.warning("gateway: over %d connections open; closing new ones",
+                            MAX_CONNECTIONS)
+                transport.abort()
+                return
+            self._await_head()
+
+        def _await_head(self) -> None:
+            self._waiting_for = self.scope
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+
+        def _head_too_slow(self) -> None:
+            if self.scope is self._waiting_for:  # no new request since: drop it
+                self.transport.abort()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_timer is not None and self.scope is not self._waiting_for:
+                self._head_timer.cancel()  # a request's head came whole
+                self._head_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._head_timer is None and not self.transport.is_closing():
+                self._await_head()  # the next request on this connection, if any
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return Guarded
 
 
 # --- the app ------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
             # With the approval actor here too, the model's calls are approved and
             # dispatched as the planner stores them (no hop through two actors).
             started.append(await start_planner(bus, settings, approval=approval,
-                                               max_parallel=policy.max_parallel))
+                                               policy=policy))
         except BaseException:
             await stop_actors(started)
             raise
@@ -193,8 +193,10 @@ def _member_name(instance: str | None, kind: str) -> str | None:
 
 
 async def start_planner(bus: Bus, settings: ActorSettings, *,
-                        approval: ApprovalActor | None = None, max_parallel: int = 3) -> Actor:
-    """The planner of the manifest's `agent_config`, with its own view of the catalog."""
+                        approval: ApprovalActor | None = None,
+                        policy: Policy | None = None) -> Actor:
+    """The planner of the manifest's `agent_config`, with its own view of the catalog;
+    `policy` (default: the manifest's) bounds what it offers the model."""
     from actors.agent_tools import AgentExecutor, agent_profiles
     from actors.compressor import Compression, Compressor
     from actors.context_tools import ContextExecutor
@@ -203,6 +205,7 @@ async def start_planner(bus: Bus, settings: ActorSettings, *,
     from actors.planner import Planner, Rules
 
     assert settings.manifest is not None and settings.manifest.agent_config.model is not None
+    policy = policy or manifest_policy(settings)[0]
     agent = settings.manifest.agent_config
     m = agent.model
     assert m is not None
@@ -220,7 +223,7 @@ async def start_planner(bus: Bus, settings: ActorSettings, *,
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
                       instance=_member_name(settings.instance, "planner"),
-                      approval=approval, max_parallel=max_parallel)
+                      approval=approval, max_parallel=policy.max_parallel, policy=policy)
     # The named agents' tools (`agent:<name>`) run here, beside the planner that plans
     # their child turns; named apart from this process's other executors.
     runner = AgentExecutor(bus, agent.agents,
@@ -471,7 +474,7 @@ async def start_gateway(bus: Bus, port: int, *, tokens: Mapping[str, str],
 
     import uvicorn  # only when asked for
 
-    from services.gateway import DEFAULT_HOSTS, build_app
+    from services.gateway import DEFAULT_HOSTS, build_app, guarded_protocol
 
     app = build_app(bus, tokens=tokens, allowed_origins=allowed_origins, metrics=metrics,
                     allowed_hosts=DEFAULT_HOSTS if allowed_hosts is None else allowed_hosts)
@@ -490,7 +493,8 @@ async def start_gateway(bus: Bus, port: int, *, tokens: Mapping[str, str],
         sock.close()
         raise ConfigError(f"{where}: {(exc.strerror or str(exc)).lower()}; pick another "
                           "--http-port") from exc
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           http=guarded_protocol()))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="http-gateway")
     async with asyncio.timeout(10):
         while not server.started:

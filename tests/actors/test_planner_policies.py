@@ -44,7 +44,7 @@ from schemas.events import (
     encode_event,
 )
 from schemas.manifest import AgentConfig
-from schemas.state import SessionState, encode_state, evolve, fold
+from schemas.state import SessionState, TurnState, encode_state, evolve, fold
 from tests.actors.test_planner import ScriptedChat, reply
 from tests.conftest import REPO, EventWatch, assert_replay_equals_live, settled_state
 
@@ -680,3 +680,63 @@ def test_an_output_schema_that_is_not_an_object_is_emitted_under_output() -> Non
     unparsed = ModelToolCall(call_id="t-2", id="c", name=EMIT_OUTPUT, arguments='{"out',
                              extra={"invalid_arguments": '{"out'})
     assert "not a JSON object" in rules.judge_output(unparsed)[1][0]
+
+
+# --- what is offered -----------------------------------------------------------------------
+
+
+def _spec(name: str) -> Any:
+    from schemas.tools import ToolSpec
+    return ToolSpec(name=name, source="test", parameters={"type": "object"})
+
+
+def test_a_policy_that_narrows_the_tools_still_offers_the_context_tools() -> None:
+    from actors.context_tools import CONTEXT_STATUS_SPEC, RECALL_SPEC
+    from actors.planner import offered_tools
+    specs = [_spec(AUTH), _spec(BALANCE), RECALL_SPEC, CONTEXT_STATUS_SPEC]
+    offer = Offer(provider="openai", model="m", tools=tuple(specs),
+                  catalog={s.name: s for s in specs})
+    turn = TurnState(turn_id="t", request_id="r", call_ids=[], policies=["authenticate_first"])
+    names = [s.name for s in offered_tools(bank(None), offer, turn)]
+    # A large result's preview tells the model to recall it: recall stays callable.
+    assert names == [AUTH, RECALL_SPEC.name, CONTEXT_STATUS_SPEC.name]
+
+
+def test_tools_the_policy_refuses_the_turns_agent_are_not_offered() -> None:
+    from actors.planner import offered_tools
+    from schemas.policy import Policy, evaluate
+    policy = Policy(agents={"default": ("crm:*",), "teller": (BALANCE,)},
+                    deny=("crm:delete_*",))
+    specs = [_spec(AUTH), _spec(BALANCE), _spec("crm:delete_customer"), _spec("web:fetch")]
+    catalog = {s.name: s for s in specs}
+
+    def permits(name: str, agent: str | None) -> bool:
+        return evaluate(catalog[name], session_id="s", agent=agent,
+                        policy=policy).kind != "reject"
+
+    offer = Offer(provider="openai", model="m", tools=tuple(specs), catalog=catalog,
+                  permits=permits)
+    as_default = TurnState(turn_id="t", request_id="r", call_ids=[])
+    assert [s.name for s in offered_tools(Rules(), offer, as_default)] == [AUTH, BALANCE]
+    teller = TurnState(turn_id="t", request_id="r", call_ids=[], agent="teller")
+    assert [s.name for s in offered_tools(Rules(), offer, teller)] == [BALANCE]
+    nobody = TurnState(turn_id="t", request_id="r", call_ids=[], agent="ghost")
+    assert offered_tools(Rules(), offer, nobody) == []
+
+
+async def test_the_planner_offers_only_what_the_manifest_policy_grants(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    from schemas.policy import Policy
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    planner = Planner(bus, system["catalog"], settings,
+                      policy=Policy(agents={"default": ("built-in:current_time",)}))
+    await planner.start()
+    try:
+        model.script = [(200, reply("It is late."))]
+        end = await client.ask(sid, "What time is it?")
+        assert isinstance(end, TurnCompleted), end
+        assert offered(model.received[0]) == {"built-in__current_time"}
+    finally:
+        await planner.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.auth import ROLES, deploy_roles_conf, password_variable, redact
+from bus.auth import ROLES, deploy_roles_conf, inbox_prefix, password_variable, redact
 from bus.connection import Bus, connect
 from bus.server import free_port, nats_server_binary
 from bus.subjects import approval_subject, event_subject
@@ -124,6 +124,8 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
     finally:
         await admin.close()
 
+    await _replies_stay_with_their_role(urls)
+
     out = run_toolbus("call", "built-in:echo", '{"as": "client"}', "--nats", urls["client"])
     assert out.returncode == 0 and out.stdout == '{"as":"client"}\n', out.stderr
 
@@ -156,13 +158,47 @@ async def _check_roles(address: str, urls: dict[str, str]) -> None:
     assert granted[0]["by"] == "alice" and granted[0]["principal"] == "approver"
 
 
+async def _replies_stay_with_their_role(urls: dict[str, str]) -> None:
+    """client and approver share an account: a client reads no reply of the approver's
+    (pending approvals and their arguments), on any inbox."""
+    denied: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        denied.append(str(exc))
+
+    sniffer = await nats.connect(urls["client"], error_cb=on_error)
+    approver = await connect(urls["approver"], name="test-approver")
+    try:
+        seen: list[bytes] = []
+
+        async def sniff(msg) -> None:
+            seen.append(msg.data)
+
+        for subject in ("_INBOX.>", f"{inbox_prefix('approver')}.>", ">"):
+            await sniffer.subscribe(subject, cb=sniff)
+        await sniffer.flush()
+        assert approver.nc.new_inbox().startswith(f"{inbox_prefix('approver')}.")
+        # The approver's read of the pending approvals, answered on its inbox.
+        info = await approver.request("$JS.API.DIRECT.GET.KV_toolbus_approvals",
+                                      b'{"last_by_subj": "$KV.toolbus_approvals.>"}',
+                                      timeout=5)
+        assert info is not None
+        await asyncio.sleep(0.3)
+        assert seen == []
+        assert sum("permissions violation for subscription" in d.lower() for d in denied) == 3, \
+            denied
+    finally:
+        await approver.close()
+        await sniffer.close()
+
+
 def _toolbus() -> list[str]:
     import sys
     return [sys.executable, "-m", "services.cli"]
 
 
 async def _raw_call(url: str, sid: str) -> list[dict]:
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, inbox_prefix=inbox_prefix("client"))  # as the README says
     got: list[dict] = []
     done = asyncio.Event()
 

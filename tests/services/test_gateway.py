@@ -5,6 +5,8 @@ document, the ports it cannot listen on; and `toolbus up --http-port` end to end
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import secrets
 import socket
 from collections.abc import AsyncIterator
@@ -20,6 +22,7 @@ from bus.connection import Bus
 from bus.server import free_port
 from schemas.errors import ConfigError
 from schemas.events import Event
+from services import gateway as gateway_module
 from services.gateway import ROLES, build_app
 from services.runtime import start_gateway
 from tests.conftest import EventWatch, Proc, of_type, run_toolbus
@@ -477,3 +480,75 @@ async def test_a_busy_http_port_ends_toolbus_up_with_one_line(tmp_path: Path) ->
     assert f"the HTTP gateway cannot listen on 127.0.0.1:{http_port}: address already in " \
            "use" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- slow and idle connections ---------------------------------------------------------------
+
+
+async def test_slow_or_idle_connections_are_dropped_and_capped(
+        bus: Bus, system: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(gateway_module, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(gateway_module, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(gateway_module, "MAX_CONNECTIONS", 8)
+    async for web in _serve(bus):
+        port = int(web.url.rsplit(":", 1)[1])
+
+        async def opened(head: bytes, port: int = port
+                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            return reader, writer
+
+        # A head that never ends, and a connection that sends nothing: closed.
+        for head in (b"POST /sessions/s1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\n", b""):
+            reader, writer = await opened(head)
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""
+            await _close(writer)
+        # A body that stalls: 408, and nothing was submitted.
+        reader, writer = await opened(
+            b"POST /sessions/s1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + web.tokens["client"].encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"calls\"")
+        async with asyncio.timeout(5):
+            answer = await reader.read()
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        await _close(writer)
+        # A body cut short by the client: no error logged.
+        caplog.clear()
+        reader, writer = await opened(
+            b"POST /sessions/s1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + web.tokens["client"].encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        await _close(writer)
+        await asyncio.sleep(0.3)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        # More connections than the cap: the extra ones are closed at once, and once
+        # they are gone the gateway answers again.
+        held = [await opened(b"") for _ in range(8)]
+        reader, writer = await opened(b"")
+        async with asyncio.timeout(2):
+            assert await reader.read() == b""
+        await _close(writer)
+        for _, w in held:
+            await _close(w)
+        await asyncio.sleep(0.2)
+        async with web.as_role("client") as c:
+            assert (await c.get("/healthz")).status_code == 200
+        # A connection kept alive after an answer gets the same time for its next head.
+        reader, writer = await opened(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        async with asyncio.timeout(5):
+            first = await reader.readuntil(b"\r\n\r\n")
+            assert first.startswith(b"HTTP/1.1 200")
+            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+            rest = await reader.read()
+        assert b"HTTP/1.1" not in rest  # the rest of the first answer at most
+        await _close(writer)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
