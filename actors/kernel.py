@@ -105,6 +105,8 @@ class Inbox:
     reject: Reject
     ordered: bool = True  # one session's messages in stream order
     max_in_flight: int = 256
+    # Told of each message as it arrives, before it waits behind its session's (PullLoop).
+    arrived: Callable[[Delivery], None] | None = None
 
 
 def _is_passing(exc: BaseException) -> bool:
@@ -173,7 +175,7 @@ class Kernel:
             await self._deliver(inbox, delivery)
 
         return PullLoop(self.bus, inbox.consumer, deliver, max_in_flight=inbox.max_in_flight,
-                        key=session_of if inbox.ordered else None)
+                        key=session_of if inbox.ordered else None, arrived=inbox.arrived)
 
     async def start(self) -> None:
         for loop in self._loops:

@@ -92,6 +92,7 @@ from schemas.events import (
     OutputRejected,
     PoliciesMatched,
     ThinkRequest,
+    TurnCancelled,
     TurnCompleted,
     TurnFailed,
     TurnReevaluated,
@@ -969,6 +970,23 @@ def _nothing(stored: bool) -> None:
     pass
 
 
+_CANCELLED: Any = object()  # a model call stopped because its turn was cancelled
+_CANCELLED_SUFFIX = ".turn.cancelled"
+
+
+async def _reply_of(task: asyncio.Task[ModelResponse | ModelError | None]
+                    ) -> ModelResponse | ModelError | None:
+    """The call's reply, or `_CANCELLED` if its turn's cancellation stopped it (this
+    task's own cancellation still raises)."""
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        return _CANCELLED  # type: ignore[no-any-return]
+
+
 async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
@@ -1039,6 +1057,10 @@ class Planner:
         not offered to the model."""
         self._bus = bus
         self._policy = policy
+        # The model calls under way, by session: task -> its turn.
+        self._in_flight: dict[str, dict[asyncio.Task[Any], str]] = {}
+        # Turns whose `turn.cancelled` arrived but is not folded yet, by session.
+        self._cancelling: dict[str, set[str]] = {}
         self._permitted: dict[tuple[str, str | None, str], tuple[ToolSpec, bool]] = {}
         # With the approval actor in this process, the model's calls are approved and
         # dispatched as they are stored (`settle_calls`); the events are the same.
@@ -1105,7 +1127,7 @@ class Planner:
         self._partition_loops[part] = await self._kernel.attach(Inbox(
             ConsumerSpec(EVENTS_STREAM, f"planner-p{part}", subjects,
                          ack_wait_s=self._ack_wait_s),
-            self._on_event, self._reject, max_in_flight=256))
+            self._on_event, self._reject, max_in_flight=256, arrived=self._arrived))
 
     async def _give_up(self, part: int) -> None:
         loop = self._partition_loops.pop(part, None)
@@ -1113,6 +1135,8 @@ class Planner:
             await self._kernel.detach(loop)
         n = self._bus.partitions
         self._states.forget(lambda sid: partition(sid, n) != part)
+        for sid in [s for s in self._cancelling if partition(s, n) == part]:
+            del self._cancelling[sid]
 
     def _offer(self, sid: str, agent: str | None = None) -> Offer:
         specs = self._catalog.all()
@@ -1180,6 +1204,8 @@ class Planner:
             new = delivery.stream_seq > entry.state.last_seq
             if new:
                 self._states.fold(entry, stored.seq, stored.event)
+            if isinstance(stored.event, TurnCancelled):
+                self._folded_cancel(sid, stored.event.turn_id)
             elif delivery.num_delivered > 1 or entry.missed(delivery.stream_seq):
                 # Delivered behind what is folded: one never seen (see the session
                 # actor); fold the log again.
@@ -1194,8 +1220,9 @@ class Planner:
                     await self._states.reread(entry)
                 ask = self._prepare(entry.state, event)
                 if ask is not None:
-                    started = await self._finish(entry, ask, await self._call(ask, delivery),
-                                                 delivery)
+                    reply = await _reply_of(self._start_call(ask, delivery))
+                    if reply is not _CANCELLED:
+                        started = await self._finish(entry, ask, reply, delivery)
             if started or new or delivery.num_delivered > 1 or not entry.is_caught_up or \
                     entry.decided_at != entry.state.last_seq:
                 await self._settle(entry, delivery, started)
@@ -1228,7 +1255,9 @@ class Planner:
                 pending, started = started, []
                 while pending:
                     ask, task = pending[0]
-                    started += await self._finish(entry, ask, await task, delivery)
+                    reply = await _reply_of(task)
+                    if reply is not _CANCELLED:  # else its turn was cancelled meanwhile
+                        started += await self._finish(entry, ask, reply, delivery)
                     pending.pop(0)
         finally:
             # Left to their deliveries (the limit above, or an error on the way).
@@ -1267,6 +1296,8 @@ class Planner:
         if turn is None or turn.status != "running" or len(turn.steps) >= asked.iteration:
             return None
         sid = state.session_id
+        if turn.turn_id in self._cancelling.get(sid, ()):
+            return None  # cancelled: its `turn.cancelled` is on its way
         rules, settings = self._profile(turn.agent)
         schema: dict[str, Any] | None = None
         validator: Validator | None = None
@@ -1305,6 +1336,48 @@ class Planner:
         return _Ask(asked, turn, rules, settings, system=system, messages=messages,
                     tools=tools, schema=schema, validator=validator, publish=publish,
                     base=base, wire=self._history.wire(sid))
+
+    def _start_call(self, ask: _Ask, delivery: Delivery
+                    ) -> asyncio.Task[ModelResponse | ModelError | None]:
+        """`_call` as a task, which a `turn.cancelled` of its turn cancels (`_cancelled`):
+        a turn superseded while its model thinks (retrying a slow provider, perhaps for
+        minutes) must not hold up the turn that replaced it."""
+        task = asyncio.create_task(self._call(ask, delivery))
+        sid, turn_id = ask.asked.session_id, ask.asked.turn_id
+        calls = self._in_flight.setdefault(sid, {})
+        calls[task] = turn_id
+
+        def done(_: object) -> None:
+            calls.pop(task, None)
+            if not calls and self._in_flight.get(sid) is calls:
+                del self._in_flight[sid]
+
+        task.add_done_callback(done)
+        return task
+
+    def _arrived(self, delivery: Delivery) -> None:
+        """A `turn.cancelled` arrived: stop the model calls of that turn now, before its
+        delivery waits for the session's one being handled (which may be waiting for
+        those very calls)."""
+        if not delivery.subject.endswith(_CANCELLED_SUFFIX):
+            return
+        sid = session_of(delivery.subject)
+        event = decode_stored(delivery.stream_seq, delivery.subject, delivery.data).event
+        if not isinstance(event, TurnCancelled):
+            return
+        # Until the cancellation is folded, its turn asks the model nothing more (its
+        # `model.requested`, delivered before it, would).
+        self._cancelling.setdefault(sid, set()).add(event.turn_id)
+        for task, turn_id in list(self._in_flight.get(sid, {}).items()):
+            if turn_id == event.turn_id:
+                task.cancel()
+
+    def _folded_cancel(self, sid: str, turn_id: str) -> None:
+        waiting = self._cancelling.get(sid)
+        if waiting is not None:
+            waiting.discard(turn_id)
+            if not waiting:
+                del self._cancelling[sid]
 
     async def _call(self, ask: _Ask, delivery: Delivery) -> ModelResponse | ModelError | None:
         """The model's reply to `ask`, or the `ModelError` that ended it (returned); None
@@ -1409,7 +1482,7 @@ class Planner:
         decided inline; the calls are cancelled if the store fails, or if it did not land
         right after this state (the deliveries answer then: a call dropped here is asked
         again there)."""
-        tasks = [asyncio.create_task(self._call(a, delivery)) for a in asks]
+        tasks = [self._start_call(a, delivery) for a in asks]
         stored = self._storing_inline(items)
         try:
             if tasks:

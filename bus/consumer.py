@@ -115,8 +115,12 @@ class PullLoop:
         max_in_flight: int = 256,
         key: Callable[[str], str] | None = None,
         expires_s: float = 10.0,
+        arrived: Callable[[Delivery], None] | None = None,
     ) -> None:
+        """`arrived`: told of each message as it arrives, before it waits for its key's
+        turn (to react at once to what must not wait, such as a cancellation)."""
         self._bus = bus
+        self._arrived = arrived
         self._spec = spec
         self._handler = handler
         self._max = max_in_flight
@@ -236,6 +240,11 @@ class PullLoop:
             _msg=msg,
         )
         self._in_flight += 1
+        if self._arrived is not None:
+            try:
+                self._arrived(delivery)
+            except Exception:  # a hint only: the handler still gets the message
+                log.exception("%s: noticing a message failed", self._spec.durable)
         if self._key is None:
             self._spawn(self._handle(delivery))
             return

@@ -60,8 +60,10 @@ class ScriptedChat:
         if not self.script:
             return JSONResponse({"error": {"message": "script exhausted"}}, status_code=500)
         status, body, *delay = self.script.pop(0)
-        if delay:
-            await asyncio.sleep(delay[0])
+        if delay:  # cut short when the planner hangs up
+            deadline = time.monotonic() + delay[0]
+            while time.monotonic() < deadline and not await request.is_disconnected():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         if status == 200 and self.received[-1].get("stream"):
             return Response(_as_stream(body), media_type="text/event-stream")
         return JSONResponse(body, status_code=status)
@@ -369,6 +371,29 @@ async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_l
                 of_type(evs, "turn.completed") or of_type(evs, "turn.failed")))
     finally:
         await p.stop()
+
+
+async def test_a_cancelled_turn_stops_its_model_call_so_the_turn_replacing_it_starts_at_once(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    from tests.conftest import of_type
+
+    # The first turn's model takes 60 s (a slow provider, or one being retried).
+    model.script = [(200, reply("Too late."), 60), (200, reply("Fresh answer."))]
+    model.asked.clear()
+    async with EventWatch(bus, sid) as watch:
+        asking = asyncio.create_task(client.ask(sid, "Think slowly.", timeout=90))
+        await asyncio.wait_for(model.asked.wait(), 15)
+        t0 = time.monotonic()
+        await client.inject(sid, "crm:login", {"user": "ada"}, idempotency_key="fast-1",
+                            trigger_processing=True)
+        assert isinstance(await asyncio.wait_for(asking, 30), TurnCancelled)
+        events = await watch.until(lambda evs: bool(of_type(evs, "turn.completed")),
+                                   timeout=30)
+    (done,) = of_type(events, "turn.completed")
+    assert done.text == "Fresh answer."
+    assert time.monotonic() - t0 < 30  # not after the first call's 60 s
+    assert [e.iteration for e in of_type(events, "model.responded")] == [1]  # the new one
 
 
 def _planner_process(tmp_path: Path, model: ScriptedChat, nats_url: str) -> Proc:

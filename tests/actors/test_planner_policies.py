@@ -98,7 +98,10 @@ async def events_of(bus: Bus, sid: str) -> list[Event]:
 
 
 def offered(request: dict[str, Any]) -> set[str]:
-    return {t["function"]["name"] for t in request.get("tools", [])}
+    """The tools a model request offered, but the context tools (offered beside a
+    policy's tools whenever the catalog has them: another test may have served them)."""
+    return {t["function"]["name"] for t in request.get("tools", [])} - {
+        "built-in__recall", "built-in__context-status"}
 
 
 def system_text(request: dict[str, Any]) -> str:
