@@ -113,6 +113,7 @@ class Executor:
         self._kernel = Kernel(bus, "executor", clock=clock)
         self._kernel.attributes[metrics.POOL] = pool
         self._states = SessionStates(bus, self._kernel.log, size=1024)
+        self._running: set[tuple[str, str]] = set()  # (session, call) running here
         self._artifacts = ArtifactStore(bus)
         self._max_inline_result = max_inline_result
         self._max_result = max_result
@@ -225,6 +226,12 @@ class Executor:
                 log.warning("executor %s: could not refresh its presence: %s",
                             self.instance, exc)
 
+    async def _is_ours(self, seq: int, event: CallStarted) -> bool:
+        """Whether the `call.started` stored at `seq` is `event` (this delivery's own,
+        stored by a publish retried after a lost acknowledgement), not an earlier one."""
+        stored = await self._kernel.log.read_at(seq)
+        return stored is not None and stored.event == event
+
     async def _append(self, event: Event, msg_id: str) -> None:
         await self._kernel.log.append(Append(event, msg_id),
                                       headers=outgoing_headers())
@@ -250,6 +257,13 @@ class Executor:
             await delivery.ack()
             return
 
+        running = (d.session_id, d.call_id)
+        if running in self._running:
+            # Delivered again while it runs here: the server lost count of its deliveries
+            # (restarted without them), or the in-progress acks did not reach it. Asked
+            # again after the ack wait, when it has ended (or this process has died).
+            await delivery.nak(delay=self._ack_wait_s)
+            return
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
         # A call sent to this instance by name may have been ended by the janitor while
@@ -282,10 +296,17 @@ class Executor:
             started = await log.send(Append(started_event, started_id),
                                      headers=outgoing_headers())
             if not tool.spec.rerunnable:
-                await started()  # stored before a tool that may not run twice starts
+                # Stored before a tool that may not run twice starts; and stored by this
+                # delivery, not an earlier one that the server forgot (a delivery count
+                # lost in a restart makes a redelivery look like a first one).
+                first = await started()
+                if first.duplicate and not await self._is_ours(first.seq, started_event):
+                    await delivery.nak(delay=self._ack_wait_s)  # decided when it comes back
+                    return
             # Beats until the outcome is stored, not only while the tool runs: the append
             # may retry for longer than the ack wait.
             keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
+            self._running.add(running)
             try:
                 outcome = await self._run(d, tool, keep_alive, attempt)
                 # A rerunnable tool ran while `call.started` was on the wire: the outcome
@@ -296,6 +317,7 @@ class Executor:
                 await ended()
             finally:
                 keep_alive.cancel()
+                self._running.discard(running)
         await delivery.ack()
 
     def _too_large(self, d: CallDispatched, size: int, t0: float) -> CallFailed:

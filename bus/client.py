@@ -248,6 +248,8 @@ class ToolbusClient:
                         return found
                     fut = asyncio.get_running_loop().create_future()
                     watcher.waiting[turn_id] = fut
+        except BusTimeoutError:
+            raise  # said what timed out (the requests stream's acknowledgement, a read)
         except TimeoutError as exc:
             if turn_id in watcher.started:
                 raise BusTimeoutError(

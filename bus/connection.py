@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections import deque
@@ -126,7 +127,8 @@ class Bus:
             try:
                 await self.nc.drain()
             except Exception:  # closing is best-effort once the server is gone
-                await self.nc.close()
+                with contextlib.suppress(Exception):  # uvloop: "handler is closed"
+                    await self.nc.close()
 
 
 async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:

@@ -165,7 +165,13 @@ class Workers:
                                   f"{RESTART_WINDOW_S:g} s (last code {code})")
             print(f"toolbus: worker {w.instance} (pid {w.proc.pid}) exited with code {code}; "
                   "restarting it", file=sys.stderr, flush=True)
-            await self._spawn(w)
+            await asyncio.sleep(min(0.25 * 2 ** (len(w.exits) - 1), 5.0))  # back off
+            try:
+                await self._spawn(w)
+            except WorkerError as exc:
+                # Died again before it was ready: one more exit of the same worker (a
+                # first start that fails stops `toolbus up`; a restart counts, as any).
+                print(f"toolbus: {exc}", file=sys.stderr, flush=True)
 
 
 async def _forward(stream: asyncio.StreamReader) -> None:

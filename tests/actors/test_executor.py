@@ -148,3 +148,106 @@ async def test_two_executors_of_one_process_cannot_share_an_instance_name(bus) -
         await first.stop()
     await twin.start()  # the name is free again once its holder stopped
     await twin.stop()
+
+
+# --- a delivery the server forgot ------------------------------------------------------------
+
+
+def _side_effect_tool(ran: list[str], release: asyncio.Event):  # type: ignore[no-untyped-def]
+    from actors.tools import tool
+
+    @tool("dupe:charge", timeout_ms=30_000)  # neither read-only nor idempotent
+    async def charge(amount: int) -> dict:
+        ran.append(f"charge {amount}")
+        await release.wait()
+        return {"charged": amount}
+
+    return charge
+
+
+async def _requested(log: EventLog, sid: str, call: str) -> None:
+    """A call of dupe:charge, approved (under the approval actor's own message id, so
+    the suite's approval actor, which knows no such tool, decides nothing)."""
+    from schemas.events import CallApproved
+    from schemas.ids import policy_decision_id
+    from schemas.tools import pool_route
+    await log.append(Append(CallRequested(session_id=sid, at=2.0, actor="session",
+                                          call_id=call, turn_id=f"{call}-turn",
+                                          tool="dupe:charge", arguments={"amount": 5}),
+                            call_requested_id(sid, call)))
+    await log.append(Append(CallApproved(
+        session_id=sid, at=2.0, actor="approval", call_id=call, turn_id=f"{call}-turn",
+        tool="dupe:charge", rule="test", arguments={"amount": 5},
+        route=pool_route("default", "dupe")), policy_decision_id(sid, call)))
+
+
+async def _dispatch(log: EventLog, sid: str, call: str, msg_id: str) -> None:
+    from schemas.tools import pool_route
+    route = pool_route("default", "dupe")
+    await _requested(log, sid, call)
+    await log.append(Append(CallDispatched(
+        session_id=sid, at=3.0, actor="session", call_id=call, turn_id=f"{call}-turn",
+        tool="dupe:charge", arguments={"amount": 5}, route=route), msg_id, route))
+
+
+async def _terminal(log: EventLog, sid: str) -> list[object]:
+    async with asyncio.timeout(15):
+        while True:
+            events = [s.event for s in await log.read_session(sid)]
+            ends = of_type(events, "call.succeeded") + of_type(events, "call.failed")
+            if ends:
+                return ends
+            await asyncio.sleep(0.05)
+
+
+async def test_a_call_delivered_again_as_new_while_it_runs_here_runs_once(bus, sid) -> None:
+    # A server restarted without its consumer's delivery counts hands out a running call
+    # again as a first delivery: the tool must not run a second time.
+    ran: list[str] = []
+    release = asyncio.Event()
+    log = EventLog(bus)
+    executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
+                        ack_wait_s=0.5)
+    await executor.start()
+    try:
+        await _dispatch(log, sid, "c1", dispatch_id(sid, "c1"))
+        async with asyncio.timeout(10):
+            while not ran:  # noqa: ASYNC110 - the tool says when it started
+                await asyncio.sleep(0.02)
+        await _dispatch(log, sid, "c1", "the-same-dispatch-again")
+        await asyncio.sleep(1.0)  # delivered, refused while running, delivered again
+        release.set()
+        (end,) = await _terminal(log, sid)
+        await asyncio.sleep(1.0)  # the copy, delivered once more, finds it ended
+    finally:
+        await executor.stop()
+    assert ran == ["charge 5"]
+    assert type(end).__name__ == "CallSucceeded"
+    events = [s.event for s in await log.read_session(sid)]
+    assert len(of_type(events, "call.succeeded") + of_type(events, "call.failed")) == 1
+
+
+async def test_a_call_another_delivery_started_is_not_run_as_a_first_one(bus, sid) -> None:
+    # Started by an executor that died (the server forgot that delivery): this one gets it
+    # as a first delivery, finds `call.started` of attempt 1 stored by someone else, and
+    # does not run it; delivered again, it is `interrupted`.
+    from schemas.events import CallStarted
+    from schemas.ids import call_started_id
+    ran: list[str] = []
+    release = asyncio.Event()
+    release.set()
+    log = EventLog(bus)
+    await _requested(log, sid, "c2")
+    await log.append(Append(CallStarted(session_id=sid, at=1.0, actor="executor",
+                                        call_id="c2", turn_id="c2-turn", executor="gone-1",
+                                        attempt=1), call_started_id(sid, "c2", 1)))
+    executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
+                        ack_wait_s=0.5)
+    await executor.start()
+    try:
+        await _dispatch(log, sid, "c2", dispatch_id(sid, "c2"))
+        (end,) = await _terminal(log, sid)
+    finally:
+        await executor.stop()
+    assert ran == []
+    assert isinstance(end, CallFailed) and end.error_type == "interrupted"

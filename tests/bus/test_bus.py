@@ -136,3 +136,29 @@ async def test_acks_left_for_the_next_write_reach_the_server_on_their_own(
         await loop.stop()
         await own.close()
         await bus.js.delete_stream(stream)
+
+
+async def test_a_request_the_stream_never_acknowledges_is_named_as_such(tmp_path) -> None:
+    # Something answers on the requests subject but no stream stores it (a server without
+    # toolbus's streams): the client says the stream did not acknowledge, at once, not
+    # "no result within 60 s".
+    from bus.client import ToolbusClient
+    from bus.server import free_port
+    from schemas.errors import BusTimeoutError
+    server = EmbeddedServer(tmp_path, port=free_port(), auth=False).start()
+    try:
+        bus = await connect(server.url, name="t")
+        client = ToolbusClient(bus)
+
+        async def mute(msg: object) -> None:
+            pass
+
+        await bus.nc.subscribe("toolbus.req.>", cb=mute)
+        t0 = time.monotonic()
+        with pytest.raises(BusTimeoutError, match="did not acknowledge"):
+            await client.call("s1", [{"tool": "built-in:echo"}], timeout=60)
+        assert time.monotonic() - t0 < 30
+        await client.close()
+        await bus.close()
+    finally:
+        server.stop()
