@@ -549,6 +549,13 @@ class _StdinLines:
         return await got
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # replaced, or closed
+        return False
+
+
 async def _chat(url: str, args: argparse.Namespace) -> int:
     """One turn per message: the model's text as it streams, each tool call and its end
     as it happens (on stderr), then the answer."""
@@ -560,6 +567,10 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     bus = await connect(url, name="toolbus-chat")
     client = ToolbusClient(bus)
     streamed = [False]
+    # On a terminal the text streams as the model writes it; piped or redirected, stdout
+    # gets the answer alone (a stream retried after it broke, or the text a model writes
+    # beside its tool calls, is not the answer).
+    streaming = _is_terminal(sys.stdout)
     tools: dict[str, str] = {}  # call id -> tool, to name a call when it ends
     # The turn this command waits for: another client's turn in the session is not shown
     # as this one's (its text would be printed as this answer).
@@ -578,7 +589,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             return
         if kind == "model.delta" and body.get("reset"):
             print("\n  (the model's stream broke: asking again)", file=sys.stderr, flush=True)
-        elif kind == "model.delta":
+        elif kind == "model.delta" and streaming:
             sys.stdout.write(_printable(body.get("text", "")))
             sys.stdout.flush()
             streamed[0] = True

@@ -75,6 +75,7 @@ from schemas.errors import (
 from schemas.ids import TOKEN_RULE, check_session_id, is_token
 from schemas.policy import HumanDecision, PendingApproval
 from schemas.requests import (
+    DEFAULT_MAX_REQUEST_BYTES,
     MAX_IDEMPOTENCY_KEY_CHARS,
     decode_json,
     is_tool_event,
@@ -574,10 +575,11 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 "this is a tool event: post it to /sessions/{sid}/tool_events, which "
                 "answers with its stored ids")}, status_code=400)
         # A body that can never be a request is refused here, at once, with what is wrong,
-        # and nothing is submitted. Its size and number of calls are left to the session
-        # actor, whose limits are its own settings (a stored rejection).
+        # and nothing is submitted: so is one over the session actor's size limit, as on
+        # /tool_events. The number of calls is left to the session actor, whose limit is
+        # the manifest's policy (a stored rejection).
         try:
-            parse_request(body, max_bytes=len(body), max_calls=sys.maxsize)
+            parse_request(body, max_bytes=DEFAULT_MAX_REQUEST_BYTES, max_calls=sys.maxsize)
         except InvalidRequestError as exc:
             status = 413 if exc.reason == "payload_too_large" else 400
             return JSONResponse({"ok": False, "error": exc.message, "code": exc.reason},

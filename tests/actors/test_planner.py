@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -491,6 +492,38 @@ async def test_toolbus_chat_streams_the_answer_and_shows_each_call(
     assert again.returncode == 0 and again.stdout == "Yes, I did.\n", again.stderr
     history = [(m["role"], m.get("content")) for m in model.received[-1]["messages"]]
     assert ("user", "Echo a.") in history and ("assistant", "All done here.") in history
+
+
+async def test_toolbus_chat_piped_prints_the_answer_alone_and_streams_on_a_terminal(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    import pty
+    # The model thinks aloud beside its tool call: on a terminal that streams too, but
+    # piped, stdout is the answer alone.
+    script = [(200, reply("Let me check. ", calls=[("e1", "built-in__echo", {"text": "a"})])),
+              (200, reply("The answer."))]
+    model.script = list(script)
+    cmd = [sys.executable, "-m", "services.cli", "chat", "Check a.", "--session", sid,
+           "--nats", nats_url]
+    out = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True,
+                                  timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "The answer.\n"
+    model.script = list(script)
+    leader, follower = pty.openpty()
+    try:
+        proc = await asyncio.to_thread(subprocess.run, cmd, stdout=follower,
+                                       stderr=subprocess.PIPE, timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        shown = b""
+        while True:
+            ready = await asyncio.to_thread(select.select, [leader], [], [], 0.5)
+            if not ready[0]:
+                break
+            shown += os.read(leader, 65536)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert b"Let me check." in shown and b"The answer." in shown
 
 
 def test_a_message_without_a_planner_is_refused_clearly() -> None:

@@ -278,6 +278,11 @@ async def test_a_body_that_can_never_be_a_request_is_a_400_naming_why_and_submit
         assert event.status_code == 400 and "/tool_events" in event.json()["error"]
         long = await c.post(f"/sessions/{sid}/requests", json={"message": "x" * 70_000})
         assert long.status_code == 413 and long.json()["code"] == "payload_too_large"
+        # Under the gateway's 256 KiB but over the session actor's 128 KiB: refused here
+        # too, not accepted and then rejected in the session.
+        history = [{"role": "user", "content": "y" * 60_000}] * 3
+        over = await c.post(f"/sessions/{sid}/requests", json={"messages": history})
+        assert over.status_code == 413 and over.json()["code"] == "payload_too_large", over.text
         # A request the session refuses for what only it knows (here: its tool is not in
         # the catalog) is still accepted here, and its refusal is stored in the session.
         sent = await c.post(f"/sessions/{sid}/requests", json={
