@@ -145,6 +145,11 @@ def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
 MIN_GUARDED_KEY_CHARS: Final = 20
 
 
+def _is_json(response: httpx.Response) -> bool:
+    media = str(response.headers.get("content-type", "")).partition(";")[0].strip().lower()
+    return media == "application/json"
+
+
 def _guarded(key: str | None) -> str:
     return key if key and len(key) >= MIN_GUARDED_KEY_CHARS else ""
 
@@ -257,10 +262,16 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                 raise http_error(req.provider, response.status_code, response.headers, body,
                                  key)
             guard = _KeyGuard(key)
-            if req.stream is None:
+            if req.stream is None or _is_json(response):
+                # Not streamed, or a server that ignores `stream: true` (some OpenAI-
+                # compatible ones) and answers with the whole reply: read as one.
                 data = decode_json(await _read_bounded(response, req.provider), req.provider)
                 with _shape(req.provider):
                     reply = checked(req.parse(data))
+                if req.stream is not None and reply.text and on_delta is not None:
+                    _refuse_quoted_key(reply, key, req.provider)  # before it is shown
+                    delivered = True
+                    await on_delta(reply.text)
             else:
                 decoder = req.stream()
                 after_end = 0

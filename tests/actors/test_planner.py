@@ -51,6 +51,7 @@ class ScriptedChat:
         self.headers: list[dict[str, str]] = []
         self.port = 0
         self.asked = asyncio.Event()  # set at the first request
+        self.ignore_stream = False  # answer `stream: true` with the whole JSON reply
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -65,7 +66,7 @@ class ScriptedChat:
             deadline = time.monotonic() + delay[0]
             while time.monotonic() < deadline and not await request.is_disconnected():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-        if status == 200 and self.received[-1].get("stream"):
+        if status == 200 and self.received[-1].get("stream") and not self.ignore_stream:
             return Response(_as_stream(body), media_type="text/event-stream")
         return JSONResponse(body, status_code=status)
 
@@ -524,6 +525,30 @@ async def test_toolbus_chat_piped_prints_the_answer_alone_and_streams_on_a_termi
         os.close(leader)
         os.close(follower)
     assert b"Let me check." in shown and b"The answer." in shown
+
+
+async def test_a_server_that_ignores_stream_true_is_read_as_a_whole_reply(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    # Some OpenAI-compatible servers answer `stream: true` with one JSON body.
+    model.ignore_stream = True
+    model.script = [(200, reply(calls=[("e1", "built-in__echo", {"text": "a"})])),
+                    (200, reply("Whole answer."))]
+    shown: list[str] = []
+
+    async def on_delta(msg: Any) -> None:
+        shown.append(json.loads(msg.data)["text"])
+
+    sub = await bus.nc.subscribe(f"toolbus.live.{sid}.model.delta", cb=on_delta)
+    try:
+        end = await client.ask(sid, "Echo a.")
+    finally:
+        model.ignore_stream = False
+        await sub.unsubscribe()
+    assert isinstance(end, TurnCompleted), end
+    assert end.text == "Whole answer." and end.outcomes[0].status == "succeeded"
+    assert model.received[0]["stream"] is True
+    assert "".join(shown) == "Whole answer."  # shown live as one delta
 
 
 def test_a_message_without_a_planner_is_refused_clearly() -> None:
