@@ -407,13 +407,19 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
     writes = rules.output_tools()
     for c in real:
         if c.call_id not in state.calls:
-            arguments, transform = split_transform(c.arguments)
+            arguments, transform, bad_transform = split_transform(c.arguments)
             out.append(Append(CallRequested(
                 session_id=sid, at=now, actor=ACTOR, call_id=c.call_id, turn_id=turn.turn_id,
                 tool=c.name, arguments=arguments, agent=turn.agent, transform=transform,
                 output_path=output_path_for(c.name) if c.name in writes else None),
                 call_requested_id(sid, c.call_id)))
-            if offered is not None and c.name not in offered:
+            if bad_transform is not None:
+                out.append(Append(CallRejected(
+                    session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
+                    turn_id=turn.turn_id, tool=c.name, reason="invalid_arguments",
+                    rule="planner:transform", message=bad_transform),
+                    policy_decision_id(sid, c.call_id)))
+            elif offered is not None and c.name not in offered:
                 listed = ", ".join(sorted(offered)[:40]) or "none"
                 out.append(Append(CallRejected(
                     session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
@@ -454,14 +460,23 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
     return None
 
 
-def split_transform(arguments: Any) -> tuple[Any, str | None]:
-    """The arguments without `_transform`, and the JMESPath expression it held (seed 003:
-    the model narrows a result before reading it)."""
-    if isinstance(arguments, dict) and isinstance(arguments.get("_transform"), str) and \
-            arguments["_transform"].strip():
-        rest = {k: v for k, v in arguments.items() if k != "_transform"}
-        return rest, arguments["_transform"][:MAX_TRANSFORM_CHARS]
-    return arguments, None
+def split_transform(arguments: Any) -> tuple[Any, str | None, str | None]:
+    """The arguments without `_transform`, the JMESPath expression it held (seed 003: the
+    model narrows a result before reading it), and what is wrong with it, if anything (the
+    call is then refused, the model told why). An empty one is no transform."""
+    if not isinstance(arguments, dict) or "_transform" not in arguments:
+        return arguments, None, None
+    rest = {k: v for k, v in arguments.items() if k != "_transform"}
+    expression = arguments["_transform"]
+    if expression is None or (isinstance(expression, str) and not expression.strip()):
+        return rest, None, None
+    if not isinstance(expression, str):
+        return rest, None, ("_transform must be a JMESPath expression (a string), got "
+                            f"{type(expression).__name__}")
+    if len(expression) > MAX_TRANSFORM_CHARS:
+        return rest, None, (f"_transform is {len(expression)} characters; at most "
+                            f"{MAX_TRANSFORM_CHARS} are taken")
+    return rest, expression, None
 
 
 def _answer_again(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,

@@ -501,9 +501,9 @@ def summarize(event: Event) -> str:
             return f"turn {event.turn_id} (request {event.request_id}{by}): {n} call(s)"
         case CallRequested():
             why = f"  reason: {event.reasoning}" if event.reasoning else ""
-            meta = "".join(f"  {label}: {value}" for label, value in (
-                ("-> state.", event.output_path), ("pool", event.delegate),
-                ("instance", event.instance), ("transform", event.transform)) if value)
+            meta = "".join(f"  {label}{value}" for label, value in (
+                ("-> state.", event.output_path), ("pool: ", event.delegate),
+                ("instance: ", event.instance), ("transform: ", event.transform)) if value)
             args = _encoder.encode(event.arguments).decode()
             return f"{event.call_id} {event.tool} {_clip(args)}{why}{meta}"
         case CallRejected():

@@ -456,10 +456,12 @@ def parse_tool_event(data: bytes, *, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES
                                   "would have returned (any JSON)")
     key = body.get("idempotency_key")
     if not isinstance(key, str) or not key.strip() or len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        got = f"{len(key)} characters" if isinstance(key, str) and key.strip() else \
+            _json_type(key)
         raise InvalidRequestError(
-            "invalid_request", f"idempotency_key must be a non-empty string of at most "
-            f"{MAX_IDEMPOTENCY_KEY_CHARS} characters, got {_json_type(key)}: a retry with "
-            "the same key returns the first event instead of storing a second")
+            "invalid_request", f"idempotency_key (required) must be a non-empty string of "
+            f"at most {MAX_IDEMPOTENCY_KEY_CHARS} characters, got {got}: a retry with the "
+            "same key returns the first event instead of storing a second")
     trigger = body.get("trigger_processing", False)
     if not isinstance(trigger, bool):
         raise InvalidRequestError(

@@ -180,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("message", nargs="?", default=None,
                    help="one turn; without it, a line per turn until end of input")
     p.add_argument("--session", default=None, help="session id (default: a new one)")
-    p.add_argument("--agent", default=None, help="the agent whose grants apply")
+    p.add_argument("--agent", default=None,
+                   help="who is talking: a named agent of agent_config.agents (its "
+                        "instructions, model and tools) and the policy's grants of that "
+                        "name (default: the policy's default_agent)")
     p.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds to wait for each answer (default 300)")
     _add_nats(p)
@@ -561,7 +564,8 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     as it happens (on stderr), then the answer."""
     from bus.client import ToolbusClient
 
-    session = check_session_id(args.session) if args.session else f"chat-{uuid.uuid4().hex[:12]}"
+    session = check_session_id(args.session) if args.session is not None else \
+        f"chat-{uuid.uuid4().hex[:12]}"
     if args.agent is not None:
         check_agent_name(args.agent)
     bus = await connect(url, name="toolbus-chat")
@@ -688,7 +692,8 @@ async def _call(url: str, args: argparse.Namespace) -> int:
         print(f"toolbus: ARGUMENTS is not valid JSON: {json_error(exc, args.arguments)}",
               file=sys.stderr)
         return EXIT_USAGE
-    session = check_session_id(args.session) if args.session else f"cli-{uuid.uuid4().hex[:12]}"
+    session = check_session_id(args.session) if args.session is not None else \
+        f"cli-{uuid.uuid4().hex[:12]}"
     bus = await connect(url, name="toolbus-call")
     try:
         print(f"session: {session}", file=sys.stderr)

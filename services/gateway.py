@@ -113,10 +113,20 @@ _TOOL_EVENT_STATUS = {"payload_too_large": 413, "no_planner": 409}
 _SCHEMAS: Final = "#/components/schemas/{name}"
 
 
+# The `code` of an error answer that names no more precise one, by its status.
+_CODE_OF_STATUS: Final = {400: "invalid_request", 401: "unauthorized", 403: "forbidden",
+                          404: "not_found", 405: "method_not_allowed", 408: "timeout",
+                          409: "conflict", 413: "payload_too_large",
+                          415: "unsupported_media_type", 500: "internal",
+                          503: "unavailable"}
+
+
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None
            ) -> JSONResponse:
-    return JSONResponse({"ok": False, "error": message}, status_code=status,
-                        headers=headers)
+    """`{ok: false, error, code}`, as every error answer of the gateway."""
+    return JSONResponse({"ok": False, "error": message,
+                         "code": _CODE_OF_STATUS.get(status, "error")},
+                        status_code=status, headers=headers)
 
 
 def _refuse(status: int, message: str, headers: Mapping[str, str] | None = None

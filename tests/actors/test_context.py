@@ -162,6 +162,27 @@ async def test_transform_gives_the_model_exactly_the_selected_fields(
                if isinstance(e, CallSucceeded))
 
 
+async def test_a_transform_that_is_empty_is_none_and_one_that_is_not_an_expression_is_refused(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [
+        (200, reply(calls=[("c1", "testing__list_commits", {"_transform": ""}),
+                           ("c2", "testing__list_commits", {"_transform": 5}),
+                           ("c3", "testing__list_commits", {"_transform": "x" * 1_001})])),
+        (200, reply("Done.")),
+    ]
+    end = await client.ask(sid, "Commits?", timeout=30)
+    assert isinstance(end, TurnCompleted), end
+    empty, number, long = (o for o in end.outcomes)
+    assert empty.status == "succeeded"  # an empty `_transform` is none
+    for refused, says in ((number, "must be a JMESPath expression (a string), got int"),
+                          (long, "_transform is 1001 characters; at most 1000")):
+        assert refused.status == "rejected" and refused.error is not None
+        assert refused.error.error_type == "invalid_arguments"
+        assert says in refused.error.message
+    told = [m["content"] for m in tool_messages(model.received[1])]
+    assert "got int" in told[1] and "at most 1000" in told[2]
+
+
 async def test_context_status_tells_the_turns_budget_and_the_stored_keys(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     model.script = [

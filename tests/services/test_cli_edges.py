@@ -38,6 +38,8 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
      "bench mcp: not used here: --session-actors"),
     (("state", "no.dots"), "invalid session id 'no.dots'"),
     (("chat", "hi", "--session", "a b"), "invalid session id 'a b'"),
+    (("chat", "hi", "--session", ""), "invalid session id ''"),  # not a new session
+    (("call", "built-in:echo", "--session", ""), "invalid session id ''"),
     (("chat", "hi", "--agent", "bad agent"), "invalid agent name 'bad agent'"),
     (("chat", "hi", "--timeout", "nan"), "argument --timeout: nan is not a positive"),
     (("tools", "show"), "tools show needs a NAME"),

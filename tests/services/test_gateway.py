@@ -306,7 +306,10 @@ async def test_state_keeps_full_and_its_headers(web: Web, bus: Bus, sid: str) ->
         assert full.headers["X-Toolbus-Resolved-References"] == "1"
         assert full.json()["calls"]["r1-0"]["result"] == "x" * 300_000
         assert (await c.get("/sessions/bad%20id/state")).status_code == 400
-        assert (await c.post("/sessions/bad%20id/requests", json={})).status_code == 400
+        bad_id = await c.post("/sessions/bad%20id/requests", json={})
+        # Every error answer says {ok, error, code}.
+        assert bad_id.status_code == 400 and bad_id.json()["code"] == "invalid_request"
+        assert bad_id.json()["ok"] is False and "session id" in bad_id.json()["error"]
 
 
 # --- the OpenAPI document ------------------------------------------------------------------
