@@ -169,6 +169,13 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
             raise
     elif "planner" in kinds and "session" not in kinds:  # `toolbus actor planner`
         raise ConfigError("no model for the planner: give --manifest with agent_config.model")
+    elif "planner" in kinds and settings.manifest is not None and \
+            settings.manifest.agent_config.model_dump(exclude_defaults=True):
+        # An agent section written out, but nothing to plan with: said, not left to the
+        # first message's `no_planner`.
+        log.warning("the manifest's agent_config has no model: no planner runs, and a "
+                    "message is refused (no_planner); add agent_config.model "
+                    "{provider, model, ...} to talk to an agent")
     if "session" in kinds:
         # With the approval actor in this process, the session actor asks it inline and
         # saves a bus hop per call; the events are the same.

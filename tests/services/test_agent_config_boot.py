@@ -132,3 +132,17 @@ def test_toolbus_up_fails_at_boot_with_a_line_naming_the_unknown_tool(
     assert any(x.startswith(line) and f"{ns}:search_cars" in x
                for x in out.stderr.splitlines()), out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_an_agent_section_without_a_model_is_said_at_boot(
+        bus: Bus, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text("agent_config:\n  instructions: Be brief.\n")
+    settings = ActorSettings(manifest=config.load_manifest(path), manifest_path=path)
+    actors = await start_actors(bus, ["planner", "session"], settings)
+    try:
+        assert [type(a).__name__ for a in actors] == ["SessionActor"]  # no planner
+        assert any("agent_config has no model: no planner runs" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await stop_actors(actors)
