@@ -23,8 +23,6 @@ replays the child. Nesting is bounded (`MAX_AGENT_DEPTH`).
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -43,6 +41,7 @@ from schemas.events import (
     TurnCompleted,
     TurnFailed,
 )
+from schemas.ids import child_session_id, depth_of
 from schemas.manifest import AGENT_TOOL_NAMESPACE, AgentConfig, AgentDef, ModelConfig
 from schemas.tools import Annotations, ToolSpec
 
@@ -52,7 +51,6 @@ AGENT_SOURCE: Final = "agent"
 AGENT_TIMEOUT_MS: Final = 1_800_000
 # Agents calling agents: the depth of nesting at which a call is refused.
 MAX_AGENT_DEPTH: Final = 4
-_CHILD = re.compile(r"--(\d+)-[0-9a-f]{20}$")
 
 # The dispatch being run, for the tool (a tool sees only its arguments otherwise).
 
@@ -108,20 +106,6 @@ def agent_tool_spec(name: str, agent: AgentDef) -> ToolSpec:
                                 idempotentHint=True, openWorldHint=False),
         timeout_ms=AGENT_TIMEOUT_MS, source=AGENT_SOURCE, pools=[AGENT_POOL],
         auto_approve=True, title=f"agent {name}")
-
-
-def depth_of(session_id: str) -> int:
-    """How deep in agent calls a session is: 0 for one a client started."""
-    m = _CHILD.search(session_id)
-    return int(m.group(1)) if m else 0
-
-
-def child_session_id(parent: str, call_id: str, agent: str) -> str:
-    """The child session of the call `call_id` of session `parent`: the same every time,
-    named for the agent, within the 128-character token rule."""
-    digest = hashlib.blake2b(f"{parent}/{call_id}".encode(), digest_size=10).hexdigest()
-    suffix = f"--{depth_of(parent) + 1}-{digest}"
-    return f"{agent[:128 - len(suffix)]}{suffix}"
 
 
 def child_request_id(parent: str, call_id: str) -> str:

@@ -187,3 +187,22 @@ def catalog_key(tool_name: str) -> str:
     """KV keys cannot hold ':'; `ns:tool` is stored as `ns.tool`."""
     ns, tool = split_tool_name(tool_name)
     return f"{ns}.{tool}"
+
+
+# An agent's child session (actors/agent_tools.py): `<agent>--<depth>-<20 hex>`.
+_CHILD = re.compile(r"--(\d+)-[0-9a-f]{20}$")
+
+
+def depth_of(session_id: str) -> int:
+    """How deep in agent calls a session is: 0 for one a client started."""
+    m = _CHILD.search(session_id)
+    return int(m.group(1)) if m else 0
+
+
+def child_session_id(parent: str, call_id: str, agent: str) -> str:
+    """The child session of the call `call_id` of session `parent` (a call of
+    `agent:<agent>`): the same every time, named for the agent, within the 128-character
+    token rule."""
+    digest = hashlib.blake2b(f"{parent}/{call_id}".encode(), digest_size=10).hexdigest()
+    suffix = f"--{depth_of(parent) + 1}-{digest}"
+    return f"{agent[:128 - len(suffix)]}{suffix}"

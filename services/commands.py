@@ -29,7 +29,7 @@ try:
     from bus.eventlog import EventLog
     from bus.subjects import DEFAULT_PARTITIONS, approval_subject
     from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
-    from schemas.errors import ConnectError, RpcError, ToolbusError
+    from schemas.errors import ConnectError, InvalidIdError, RpcError, ToolbusError
     from schemas.events import (
         RequestRejected,
         TurnCancelled,
@@ -563,6 +563,8 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     """One turn per message: the model's text as it streams, each tool call and its end
     as it happens (on stderr), then the answer."""
     from bus.client import ToolbusClient
+    from schemas.ids import child_session_id
+    from schemas.manifest import AGENT_TOOL_NAMESPACE
 
     session = check_session_id(args.session) if args.session is not None else \
         f"chat-{uuid.uuid4().hex[:12]}"
@@ -579,6 +581,37 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     # The turn this command waits for: another client's turn in the session is not shown
     # as this one's (its text would be printed as this answer).
     current: list[str | None] = [None]
+
+    # The sessions of the agents this turn calls (`agent:<name>`), watched for the calls
+    # that wait for a human there: else the turn waits on them without a word.
+    children: dict[str, Any] = {}
+
+    async def watch_child(parent: str, call_id: str, tool: str) -> None:
+        if not tool.startswith(f"{AGENT_TOOL_NAMESPACE}:") or len(children) >= 64:
+            return
+        with contextlib.suppress(InvalidIdError):
+            child = check_session_id(child_session_id(parent, call_id, tool.split(":", 1)[1]))
+            if child not in children:
+                children[child] = await bus.nc.subscribe(f"toolbus.live.{child}.>",
+                                                         cb=on_child)
+
+    async def on_child(msg: Any) -> None:
+        parts = msg.subject.split(".", 3)
+        if len(parts) < 4:
+            return
+        child, kind = parts[2], parts[3]
+        try:
+            body = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(body, dict):
+            return
+        if kind.startswith("approval.requested"):
+            print(f"  .. {_printable(body.get('tool'))} (agent session {child}) waits for a "
+                  f"human: toolbus approve {_printable(body.get('call_id'))} --session "
+                  f"{child}", file=sys.stderr, flush=True)
+        elif kind == "call.requested" and body.get("actor") == "planner":
+            await watch_child(child, str(body.get("call_id")), str(body.get("tool")))
 
     async def on_live(msg: Any) -> None:
         kind = msg.subject.split(".", 3)[3] if msg.subject.count(".") >= 3 else ""
@@ -603,6 +636,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             args_text = msgspec.json.encode(body.get("arguments")).decode()[:200]
             print(f"\n  -> {_printable(body.get('tool'))} {_printable(args_text)}",
                   file=sys.stderr, flush=True)
+            await watch_child(session, str(body.get("call_id")), str(body.get("tool")))
         elif kind in ("call.succeeded", "call.failed", "call.rejected"):
             what = "ok" if kind == "call.succeeded" else \
                 f"{kind.split('.')[1]}: {str(body.get('message', ''))[:200]}"
@@ -676,6 +710,9 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 code = EXIT_CALL_FAILED
         await sub.unsubscribe()
     finally:
+        for child_sub in children.values():
+            with contextlib.suppress(Exception):
+                await child_sub.unsubscribe()
         await client.close()
         await bus.close()
     return code

@@ -122,6 +122,39 @@ async def test_an_agent_calls_another_agent_as_a_tool_in_a_child_session(
     assert len(model.received) == before
 
 
+async def test_toolbus_chat_shows_a_call_in_an_agents_session_that_waits_for_a_human(
+        bus: Bus, planner: Any, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Write hi."})])),  # parent
+        (200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),         # child
+        (200, reply("Wrote hi.")),                                                 # child
+        (200, reply("The writer wrote hi.")),                                      # parent
+    ]
+    chat = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "chat", "Have hi written.", "--session", sid,
+        "--nats", nats_url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        cwd=REPO)
+    assert chat.stderr is not None
+    try:
+        async with asyncio.timeout(60):
+            while b"waits for a human" not in (line := await chat.stderr.readline()):
+                assert line, "chat ended without showing the child's approval"
+        shown = line.decode()
+        child = shown.split("--session ")[1].split()[0]
+        call_id = shown.split("toolbus approve ")[1].split()[0]
+        assert shown.startswith(f"  .. approvals:write (agent session {child}) waits")
+        decided = json.loads(await bus.request(
+            approval_subject(child, call_id, "tester"),
+            b'{"decision": "approve", "by": "ada"}', timeout=5))
+        assert decided["ok"], decided
+        out, _ = await asyncio.wait_for(chat.communicate(), 60)
+    finally:
+        if chat.returncode is None:
+            chat.kill()
+            await chat.wait()
+    assert chat.returncode == 0 and out == b"The writer wrote hi.\n"
+
+
 async def test_a_child_turn_that_fails_fails_the_call_naming_the_child(
         client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str) -> None:
     request_id = uuid.uuid4().hex
