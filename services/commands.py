@@ -29,7 +29,13 @@ try:
     from bus.eventlog import EventLog
     from bus.subjects import DEFAULT_PARTITIONS, approval_subject
     from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
-    from schemas.errors import ConnectError, InvalidIdError, RpcError, ToolbusError
+    from schemas.errors import (
+        BusTimeoutError,
+        ConnectError,
+        InvalidIdError,
+        RpcError,
+        ToolbusError,
+    )
     from schemas.events import (
         RequestRejected,
         TurnCancelled,
@@ -689,8 +695,17 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             streamed[0] = False
             request_id = uuid.uuid4().hex
             current[0] = turn_id_for(request_id)
-            end = await client.ask(session, text, agent=args.agent, timeout=args.timeout,
-                                   request_id=request_id)
+            try:
+                end = await client.ask(session, text, agent=args.agent,
+                                       timeout=args.timeout, request_id=request_id)
+            except BusTimeoutError as exc:
+                if messages is not None:
+                    raise  # one turn: its timeout is the command's end
+                # Interactive: said, and the next line is a turn of its own (as after a
+                # failed turn).
+                print(f"\ntoolbus: {exc}", file=sys.stderr, flush=True)
+                code = EXIT_BUS
+                continue
             if isinstance(end, TurnCompleted):
                 if not streamed[0] and end.text:
                     sys.stdout.write(_printable(end.text))

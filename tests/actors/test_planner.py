@@ -551,6 +551,18 @@ async def test_a_server_that_ignores_stream_true_is_read_as_a_whole_reply(
     assert "".join(shown) == "Whole answer."  # shown live as one delta
 
 
+async def test_interactive_chat_goes_on_after_a_turn_that_timed_out(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    model.script = [(200, reply("Late."), 4), (200, reply("Second answer."))]
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "--session", sid,
+                         "--timeout", "3", "--nats", nats_url], input="first\nsecond\n",
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert "was accepted but had not ended after 3 s" in out.stderr
+    assert out.stdout == "Second answer.\n", out.stderr
+    assert out.returncode == 3  # a turn timed out
+
+
 def test_a_message_without_a_planner_is_refused_clearly() -> None:
     from actors.session import decide_request
     from schemas.requests import parse_request
