@@ -113,7 +113,8 @@ class Executor:
         self._kernel = Kernel(bus, "executor", clock=clock)
         self._kernel.attributes[metrics.POOL] = pool
         self._states = SessionStates(bus, self._kernel.log, size=1024)
-        self._running: set[tuple[str, str]] = set()  # (session, call) running here
+        # (session, call) running here -> the copies of its delivery that came meanwhile.
+        self._running: dict[tuple[str, str], list[Delivery]] = {}
         self._artifacts = ArtifactStore(bus)
         self._max_inline_result = max_inline_result
         self._max_result = max_result
@@ -258,11 +259,12 @@ class Executor:
             return
 
         running = (d.session_id, d.call_id)
-        if running in self._running:
+        attached = self._running.get(running)
+        if attached is not None:
             # Delivered again while it runs here: the server lost count of its deliveries
-            # (restarted without them), or the in-progress acks did not reach it. Asked
-            # again after the ack wait, when it has ended (or this process has died).
-            await delivery.nak(delay=self._ack_wait_s)
+            # (restarted without them), or the in-progress acks did not reach it. Held
+            # beside the running one (kept alive, acked when it ends), not run again.
+            attached.append(delivery)
             return
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
@@ -305,8 +307,8 @@ class Executor:
                     return
             # Beats until the outcome is stored, not only while the tool runs: the append
             # may retry for longer than the ack wait.
-            keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05))
-            self._running.add(running)
+            attached = self._running[running] = []
+            keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05), attached)
             try:
                 outcome = await self._run(d, tool, keep_alive, attempt)
                 # A rerunnable tool ran while `call.started` was on the wire: the outcome
@@ -317,8 +319,11 @@ class Executor:
                 await ended()
             finally:
                 keep_alive.cancel()
-                self._running.discard(running)
+                del self._running[running]
         await delivery.ack()
+        for extra in attached:  # its copies: the outcome is stored
+            with contextlib.suppress(Exception):
+                await extra.ack()
 
     def _too_large(self, d: CallDispatched, size: int, t0: float) -> CallFailed:
         return self._failed(d, "result_too_large",
@@ -410,10 +415,13 @@ class _KeepAlive:
     """In-progress acks every `interval` while a tool runs. A timer, not a task: most
     calls end long before the first tick, and then it costs nothing."""
 
-    def __init__(self, delivery: Delivery, interval: float) -> None:
+    def __init__(self, delivery: Delivery, interval: float,
+                 copies: list[Delivery] | None = None) -> None:
         # In-progress acks keep the message from being redelivered while the tool runs,
-        # and their absence is how a dead executor is noticed: after one ack wait.
+        # and their absence is how a dead executor is noticed: after one ack wait. Copies
+        # of the delivery that came meanwhile (`copies`, grown as they come) get them too.
         self._delivery = delivery
+        self._copies = copies if copies is not None else []
         self._interval = interval
         self._loop = asyncio.get_running_loop()
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(interval, self._tick)
@@ -421,15 +429,20 @@ class _KeepAlive:
         self._last_poke = 0.0
 
     def _tick(self) -> None:
-        self._task = self._loop.create_task(self._delivery.in_progress())
+        self._task = self._loop.create_task(self._beat())
         self._handle = self._loop.call_later(self._interval, self._tick)
+
+    async def _beat(self) -> None:
+        for delivery in (self._delivery, *self._copies):
+            with contextlib.suppress(Exception):
+                await delivery.in_progress()
 
     def poke(self) -> None:
         """Progress was reported: ack in-progress now, at most once a second."""
         now = self._loop.time()
         if self._handle is not None and now - self._last_poke >= 1.0:
             self._last_poke = now
-            self._task = self._loop.create_task(self._delivery.in_progress())
+            self._task = self._loop.create_task(self._beat())
 
     def cancel(self) -> None:
         if self._handle is not None:

@@ -209,16 +209,24 @@ async def test_a_call_delivered_again_as_new_while_it_runs_here_runs_once(bus, s
     executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
                         ack_wait_s=0.5)
     await executor.start()
+    before = (await bus.js.consumer_info("TOOLBUS_EVENTS", "exec_default_dupe")
+              ).num_redelivered
     try:
         await _dispatch(log, sid, "c1", dispatch_id(sid, "c1"))
         async with asyncio.timeout(10):
             while not ran:  # noqa: ASYNC110 - the tool says when it started
                 await asyncio.sleep(0.02)
         await _dispatch(log, sid, "c1", "the-same-dispatch-again")
-        await asyncio.sleep(1.0)  # delivered, refused while running, delivered again
+        await asyncio.sleep(2.0)  # the copy is held beside the run, kept alive meanwhile
         release.set()
         (end,) = await _terminal(log, sid)
-        await asyncio.sleep(1.0)  # the copy, delivered once more, finds it ended
+        async with asyncio.timeout(10):
+            while True:  # both acked once the outcome is stored: nothing comes back
+                ci = await bus.js.consumer_info("TOOLBUS_EVENTS", "exec_default_dupe")
+                if ci.num_pending == 0 and ci.num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.05)
+        assert ci.num_redelivered == before  # the copy was never handed out again
     finally:
         await executor.stop()
     assert ran == ["charge 5"]
