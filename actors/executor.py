@@ -261,11 +261,27 @@ class Executor:
         running = (d.session_id, d.call_id)
         attached = self._running.get(running)
         if attached is not None:
-            # Delivered again while it runs here: the server lost count of its deliveries
-            # (restarted without them), or the in-progress acks did not reach it. Held
-            # beside the running one (kept alive, acked when it ends), not run again.
+            # Delivered again while this process handles it: the server lost count of its
+            # deliveries (restarted without them), or the ack wait ran out while the
+            # state was read. Held beside the one being handled (kept alive, then settled
+            # as it is), never run a second time.
             attached.append(delivery)
             return
+        copies: list[Delivery] = []
+        self._running[running] = copies
+        try:
+            done = await self._dispatch_once(delivery, d, tool, terminal_id, copies)
+        finally:
+            del self._running[running]
+        await (delivery.ack() if done else delivery.nak(delay=self._ack_wait_s))
+        for copy in copies:  # settled as the delivery they copy
+            with contextlib.suppress(Exception):
+                await (copy.ack() if done else copy.nak(delay=self._ack_wait_s))
+
+    async def _dispatch_once(self, delivery: Delivery, d: CallDispatched, tool: RunnableTool,
+                             terminal_id: str, copies: list[Delivery]) -> bool:
+        """Run the call unless it ran (or may have run) already; True once it is settled
+        (to ack), False to be decided again later (to put back)."""
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
         # A call sent to this instance by name may have been ended by the janitor while
@@ -278,16 +294,14 @@ class Executor:
             # It may have run already: the session's state says how far it got.
             call = (await self._states.current(d.session_id)).state.calls.get(d.call_id)
             if call is not None and call.terminal:
-                await delivery.ack()
-                return
+                return True
             if call is not None and call.attempts > 0 and not tool.spec.rerunnable:
                 await self._append(self._failed(
                     d, "interrupted",
                     f"the executor running {d.tool} stopped before it finished; the tool is "
                     "neither read-only nor idempotent, so it is not run again",
                 ), terminal_id)
-                await delivery.ack()
-                return
+                return True
 
         started_event = CallStarted(session_id=d.session_id, at=self._clock(), actor="executor",
                                     call_id=d.call_id, turn_id=d.turn_id,
@@ -303,12 +317,10 @@ class Executor:
                 # lost in a restart makes a redelivery look like a first one).
                 first = await started()
                 if first.duplicate and not await self._is_ours(first.seq, started_event):
-                    await delivery.nak(delay=self._ack_wait_s)  # decided when it comes back
-                    return
+                    return False  # decided when it comes back
             # Beats until the outcome is stored, not only while the tool runs: the append
             # may retry for longer than the ack wait.
-            attached = self._running[running] = []
-            keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05), attached)
+            keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05), copies)
             try:
                 outcome = await self._run(d, tool, keep_alive, attempt)
                 # A rerunnable tool ran while `call.started` was on the wire: the outcome
@@ -319,11 +331,7 @@ class Executor:
                 await ended()
             finally:
                 keep_alive.cancel()
-                del self._running[running]
-        await delivery.ack()
-        for extra in attached:  # its copies: the outcome is stored
-            with contextlib.suppress(Exception):
-                await extra.ack()
+        return True
 
     def _too_large(self, d: CallDispatched, size: int, t0: float) -> CallFailed:
         return self._failed(d, "result_too_large",

@@ -1219,12 +1219,12 @@ class Planner:
             new = delivery.stream_seq > entry.state.last_seq
             if new:
                 self._states.fold(entry, stored.seq, stored.event)
-            if isinstance(stored.event, TurnCancelled):
-                self._folded_cancel(sid, stored.event.turn_id)
             elif delivery.num_delivered > 1 or entry.missed(delivery.stream_seq):
                 # Delivered behind what is folded: one never seen (see the session
                 # actor); fold the log again.
                 await self._states.rebuild(entry)
+            if isinstance(stored.event, TurnCancelled):  # folded now: see `_arrived`
+                self._folded_cancel(sid, stored.event.turn_id)
             event = stored.event
             started: list[_Started] = []
             if isinstance(event, ModelRequested):

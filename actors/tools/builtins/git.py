@@ -48,13 +48,19 @@ _REFUSED_LONG = (
 # which the rest of a cluster (`-nSfoo`) is that value.
 _REFUSED_SHORT = {"grep": "fO", "blame": "S", "ls-files": "X", "log": "O", "show": "O",
                   "diff": "O", "shortlog": "O"}
-_VALUE_SHORT = {"grep": "eABCm", "blame": "L", "log": "SGLn", "show": "SGLn", "diff": "SGL",
-                "shortlog": "n"}
+_VALUE_SHORT = {"grep": "eABCm", "blame": "L", "log": "SGLn", "show": "SGLn", "diff": "SGL"}
 # Appended after these subcommands: a diff program or text conversion set in the
 # repository's config (which built-in:git may have written) does not run.
-_NO_PROGRAMS = {"log", "show", "diff"}
+_NO_PROGRAMS = {"log": ("--no-ext-diff", "--no-textconv"),
+                "show": ("--no-ext-diff", "--no-textconv"),
+                "diff": ("--no-ext-diff", "--no-textconv"), "blame": ("--no-textconv",)}
+# Nor do signature programs (`%G?` in a format runs them), nor attributes from outside
+# the repository; a clean filter its own `.gitattributes` names and its config defines
+# still can (on a worktree diff or status): in the sandbox, that sees only the repository.
 _GIT_CONFIG = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
-               "-c", "log.showSignature=false", "-c", "protocol.allow=never")
+               "-c", "log.showSignature=false", "-c", "protocol.allow=never",
+               "-c", "gpg.program=false", "-c", "gpg.ssh.program=false",
+               "-c", "gpg.x509.program=false", "-c", "core.attributesFile=/dev/null")
 
 _COMMAND_SCHEMA = {
     "type": "object",
@@ -78,9 +84,10 @@ def _check_read_only(sub: str, args: list[str]) -> None:
     paths_only = False
     value_next = False
     for arg in args:
-        if value_next:  # the value of the option before it (`-e /usr`)
-            value_next = False
-            continue
+        if value_next:  # the value of the option before it (`-e /usr`): no path, but
+            value_next = False  # one that reads as an option is checked as one
+            if not arg.startswith("-"):
+                continue
         if not paths_only and arg == "--":
             paths_only = True
             continue
@@ -122,8 +129,7 @@ def _split(command: str, *, read_only: bool) -> list[str]:
                             f"runs {', '.join(sorted(READ_ONLY_SUBCOMMANDS))}",
                             error_type="subcommand_not_allowed")
         _check_read_only(argv[0], argv[1:])
-        if argv[0] in _NO_PROGRAMS:
-            argv = [argv[0], "--no-ext-diff", "--no-textconv", *argv[1:]]
+        argv = [argv[0], *_NO_PROGRAMS.get(argv[0], ()), *argv[1:]]
     return argv
 
 
@@ -147,7 +153,8 @@ def _env(path_env: str, home: str) -> dict[str, str]:
     # No global or system config: HOME is not the repository, whose files (a committed
     # `.gitconfig`) could otherwise configure programs to run.
     return {"PATH": path_env, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": home, "LC_ALL": "C"}
+            "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_ATTR_NOSYSTEM": "1", "HOME": home,
+            "LC_ALL": "C"}
 
 
 async def run_git(repo: Path, argv: list[str], cfg: GitConfig, path_env: str) -> dict[str, Any]:

@@ -59,10 +59,13 @@ async def run_capped(argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
             preexec()
         close_inherited()
 
+    # Only where needed: a Python function between fork and exec is best avoided (other
+    # threads), and `subprocess` closes the files itself on the standard event loop.
+    uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=cwd, env=dict(env), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        start_new_session=True, preexec_fn=setup,
+        start_new_session=True, preexec_fn=setup if uvloop else preexec,
     )
     try:
         return await collect(proc, timeout_ms=timeout_ms, cap=cap, what=what)

@@ -32,6 +32,18 @@ def _git(repo: Path, *args: str) -> None:
     subprocess.run(["git", *args], cwd=repo, check=True)
 
 
+def _sign_head(repo: Path) -> None:
+    """HEAD made a signed commit (its signature made up)."""
+    body = subprocess.run(["git", "cat-file", "commit", "HEAD"], cwd=repo, check=True,
+                          capture_output=True).stdout.decode()
+    head, _, message = body.partition("\n\n")
+    signed = (f"{head}\ngpgsig -----BEGIN PGP SIGNATURE-----\n \n iQEz\n "
+              f"-----END PGP SIGNATURE-----\n\n{message}")
+    made = subprocess.run(["git", "hash-object", "-t", "commit", "-w", "--stdin"], cwd=repo,
+                          input=signed.encode(), check=True, capture_output=True)
+    _git(repo, "update-ref", "HEAD", made.stdout.decode().strip())
+
+
 async def test_git_read_runs_read_only_subcommands_without_a_shell(repo: Path) -> None:
     (read,) = git_tools(GitConfig(repo=str(repo)), path_env=PATH)
     assert read.spec.annotations.readOnlyHint
@@ -78,6 +90,8 @@ async def test_git_read_refuses_writes_and_global_options(repo: Path, command: s
     # Files written.
     ("diff --outp=/tmp/x", "writes a file"),
     ("log -p -O/tmp/order", "-O reads or writes"),
+    ("shortlog -n --output=notes HEAD", "writes a file"),  # -n takes no value there
+    ("log -n --output=notes", "writes a file"),  # nor is an option ever a value
 ])
 async def test_git_read_refuses_options_that_reach_outside_the_repository(
         repo: Path, command: str, why: str) -> None:
@@ -110,6 +124,12 @@ async def test_git_read_ignores_programs_set_in_the_repository_config(
     (repo / ".gitconfig").write_text(f"[diff]\n\texternal = {evil}\n")
     _git(repo, "config", "diff.external", str(evil))
     _git(repo, "config", "core.pager", str(evil))
+    _git(repo, "config", "diff.evil.textconv", str(evil))
+    _git(repo, "config", "gpg.program", str(evil))
+    (repo / ".gitattributes").write_text("*.txt diff=evil\n")
+    _git(repo, "add", ".gitattributes")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-q", "-m", "attrs")
+    _sign_head(repo)  # reading a signature runs gpg.program
     (read,) = git_tools(GitConfig(repo=str(repo), isolation=isolation), path_env=PATH)
     (repo / "big.txt").write_text("changed\n")
     _git(repo, "add", "big.txt")
@@ -117,6 +137,8 @@ async def test_git_read_ignores_programs_set_in_the_repository_config(
     out = await run_tool(read, {"command": "diff"})
     assert "+changed again" in out["output"]
     await run_tool(read, {"command": "log -p -1"})
+    await run_tool(read, {"command": "blame big.txt"})  # blame applies textconv itself
+    await run_tool(read, {"command": "log --format=%G?%GS -1"})  # runs gpg.program
     assert not ran.exists()
 
 
