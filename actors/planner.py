@@ -111,7 +111,7 @@ from schemas.ids import (
     turn_reevaluated_id,
 )
 from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
-from schemas.policy import Policy, evaluate
+from schemas.policy import DEFAULT_AGENT, Policy, evaluate
 from schemas.requests import MAX_TRANSFORM_CHARS
 from schemas.state import (
     CallState,
@@ -308,16 +308,24 @@ def decide(state: SessionState, offer: Offer, *, now: float,
            max_iterations: int = DEFAULT_MAX_ITERATIONS,
            max_tokens: int | None = None, rules: Rules = DEFAULT_RULES,
            agents: Mapping[str, tuple[Offer, Rules]] | None = None,
-           compression: Compression | None = None) -> list[Append]:
+           compression: Compression | None = None,
+           unknown_agent: Callable[[str | None], str | None] = lambda agent: None
+           ) -> list[Append]:
     """What is due in the session's planner turns: match the policies, run a think step,
     ask the model, request the calls it asked for, judge its output, reevaluate, or end
     the turn. A turn of a named agent (`agents`, by the turn's `agent`) is planned with
     that agent's offer and rules (actors/agent_tools.py). With `compression` (a compressor
     runs), the model is asked again only once each result over its budget, or made with
-    `_transform`, has its `result.compressed`."""
+    `_transform`, has its `result.compressed`. A turn whose agent `unknown_agent` says
+    (why) is unknown ends at once, before any model call."""
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
+        if turn.message is not None and not turn.steps and turn.model_requested == 0:
+            why = unknown_agent(turn.agent)
+            if why is not None:
+                out.append(_fail(state, turn, "unknown_agent", why, now))
+                continue
         if turn.message is not None:
             o, r = (agents or {}).get(turn.agent or "", (offer, rules))
             out += _due(state, turn, o, r, now=now, max_iterations=max_iterations,
@@ -1251,7 +1259,22 @@ class Planner:
         agents = {name: (self._offer(sid, name), p.rules) for name, p in self._agents.items()}
         return decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
                       max_tokens=self._max_tokens, rules=self._rules, agents=agents,
-                      compression=self._compression)
+                      compression=self._compression, unknown_agent=self._unknown_agent)
+
+    def _unknown_agent(self, agent: str | None) -> str | None:
+        """Why a turn's `agent` names nobody (a misspelt `--agent`), or None. With no named
+        agents and no grants by agent, any name is a label and none is unknown."""
+        policy = self._policy
+        granted = policy.agents if policy is not None else {}
+        default = policy.default_agent if policy is not None else DEFAULT_AGENT
+        if agent is None or agent == default or agent in self._agents or agent in granted \
+                or not (self._agents or granted):
+            return None
+        named = ", ".join(sorted(self._agents)) or "none"
+        grants = ", ".join(sorted(granted)) or "none"
+        return (f"agent {agent!r} is neither a named agent of agent_config.agents ({named}) "
+                f"nor an agent the policy grants tools to (policy.agents: {grants}); check "
+                "its spelling")
 
     async def _settle(self, entry: Entry, delivery: Delivery, started: list[_Started]) -> None:
         """Decide and write until nothing is due, answering each `model.requested` in

@@ -20,7 +20,7 @@ from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import EventLog
 from bus.subjects import approval_subject
-from schemas.events import Event, ModelRequested, TurnCompleted, TurnRequested
+from schemas.events import Event, ModelRequested, TurnCompleted, TurnFailed, TurnRequested
 from schemas.ids import call_id_for, is_token, turn_id_for
 from schemas.manifest import parse_manifest
 from schemas.state import SessionState, evolve
@@ -153,6 +153,19 @@ async def test_toolbus_chat_shows_a_call_in_an_agents_session_that_waits_for_a_h
             chat.kill()
             await chat.wait()
     assert chat.returncode == 0 and out == b"The writer wrote hi.\n"
+
+
+async def test_a_misspelt_agent_ends_the_turn_naming_the_agents_there_are(
+        client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str) -> None:
+    before = len(model.received)
+    end = await client.ask(sid, "Write hi.", agent="writr", timeout=30)
+    assert isinstance(end, TurnFailed) and end.reason == "unknown_agent", end
+    assert "agent 'writr' is neither a named agent of agent_config.agents (writer)" in \
+        end.message
+    assert len(model.received) == before  # no model was asked
+    model.script = [(200, reply("Hello."))]
+    named = await client.ask(sid, "Say hello.", agent="writer", timeout=30)
+    assert isinstance(named, TurnCompleted) and named.text == "Hello.", named
 
 
 async def test_a_child_turn_that_fails_fails_the_call_naming_the_child(
