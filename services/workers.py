@@ -135,9 +135,10 @@ class Workers:
                     raw = await proc.stdout.readline()
                     if not raw:
                         code = await proc.wait()
-                        raise WorkerError(w.instance, code,
-                                          f"exited with code {code} before it was ready "
-                                          "(its error is above)")
+                        why = f"was killed by signal {-code}" if code < 0 else \
+                            f"exited with code {code}"
+                        raise WorkerError(w.instance, code, f"{why} before it was ready" + (
+                            "" if code < 0 else " (its error is above)"))
                     line = raw.decode(errors="replace").rstrip("\n")
                     if line.startswith(WORKER_READY):
                         break
