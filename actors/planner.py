@@ -913,9 +913,13 @@ def injected_messages(event: InjectedToolEvent, *, budget: int = compress.DEFAUL
     name = re.sub(r"[^A-Za-z0-9_-]", "_", event.tool_id.replace(":", "__"))[:64]
     if event.result_ref is not None:
         ref = event.result_ref
-        begins = ref.preview[:max(budget - 200, 100)]
-        text = (f"[STORED: {event.event_id} | {event.tool_id}]\nA result of {ref.size:,} "
-                f"bytes; it begins: {begins}\nUse recall(\"{event.event_id}\") to read it")
+        if ref.preview.startswith(f"[STORED: {event.event_id} ") and len(ref.preview) <= budget:
+            text = ref.preview  # structured when it was injected (actors/session.py)
+        else:
+            begins = ref.preview[:max(budget - 200, 100)]
+            text = (f"[STORED: {event.event_id} | {event.tool_id}]\nA result of "
+                    f"{ref.size:,} bytes; it begins: {begins}\nUse "
+                    f"recall(\"{event.event_id}\") to read it")
     else:
         text = compress.result_text(event.result)
         if len(text) > budget:

@@ -39,6 +39,7 @@ from typing import Protocol
 
 import msgspec
 
+from actors import compress
 from actors.kernel import Entry, Inbox, Kernel, PoisonError, SessionStates, excerpt
 from bus.artifacts import ArtifactStore
 from bus.connection import Bus
@@ -741,9 +742,12 @@ class SessionActor:
             # stays small, the whole is in the object store, read on demand. Named by
             # its content too: a later body under the same key never overwrites it.
             digest = hashlib.sha256(encoded).hexdigest()[:16]
-            result_ref = await self._artifacts.put(
-                sid, f"{tool_event_id(sid, tool_event.idempotency_key)}-{digest}", 0,
-                encoded)
+            event_id = tool_event_id(sid, tool_event.idempotency_key)
+            result_ref = await self._artifacts.put(sid, f"{event_id}-{digest}", 0, encoded)
+            # Its preview, the structured one a tool's large result gets (type, fields,
+            # first items), made now: the planner has only the reference later.
+            result_ref = msgspec.structs.replace(result_ref, preview=compress.preview(
+                tool_event.result, key=event_id, tool=tool_event.tool_id))
 
         def decide_this(state: SessionState) -> list[Append]:
             return decide_tool_event(state, tool_event, now=self._clock(),

@@ -309,6 +309,9 @@ async def test_a_large_injected_result_is_stored_by_reference_and_recalled_by_it
     (shown,) = tool_messages(model.received[0])
     assert shown["content"].startswith(f"[STORED: {event_id} | injected:ledger]")
     assert len(shown["content"]) < 1000
+    # The structured preview a tool's large result gets, not a prefix of its bytes.
+    assert "Type: Array(900)" in shown["content"] and "Schema: day, memo" in shown["content"]
+    assert f'recall("{event_id}")' in shown["content"]
     page = json.loads(tool_messages(model.received[1])[-1]["content"])
     assert page["total"] == 900 and page["items"] == rows[:page["count"]]
 
