@@ -48,7 +48,10 @@ _REFUSED_LONG = (
 # which the rest of a cluster (`-nSfoo`) is that value.
 _REFUSED_SHORT = {"grep": "fO", "blame": "S", "ls-files": "X", "log": "O", "show": "O",
                   "diff": "O", "shortlog": "O"}
-_VALUE_SHORT = {"grep": "eABCm", "blame": "L", "log": "SGLn", "show": "SGLn", "diff": "SGL"}
+_VALUE_SHORT = {"grep": "eABCm", "blame": "L", "log": "SGLn", "show": "SGLn", "diff": "SGL",
+                "ls-files": "x"}
+# Options that a refused one starts with, and that are safe themselves (an exact name).
+_SAFE_LONG = frozenset({"--text", "--filter", "--exclude", "--path"})
 # Appended after these subcommands: a diff program or text conversion set in the
 # repository's config (which built-in:git may have written) does not run.
 _NO_PROGRAMS = {"log": ("--no-ext-diff", "--no-textconv"),
@@ -80,24 +83,27 @@ def _refused(arg: str, why: str) -> ToolError:
 
 
 def _check_read_only(sub: str, args: list[str]) -> None:
-    """Refuse what could write, read outside the repository, or run a program."""
-    paths_only = False
+    """Refuse what could write, read outside the repository, or run a program. Every
+    argument that reads as an option is checked as one wherever it stands: after `--`
+    too, since `--` may be an option's value (`grep -e -- -O...`), and git reads on."""
     value_next = False
     for arg in args:
+        if arg == "--":
+            value_next = False
+            continue
         if value_next:  # the value of the option before it (`-e /usr`): no path, but
             value_next = False  # one that reads as an option is checked as one
             if not arg.startswith("-"):
                 continue
-        if not paths_only and arg == "--":
-            paths_only = True
-            continue
-        if not paths_only and arg.startswith("--"):
+        if arg.startswith("--"):
             name = arg.split("=", 1)[0]
-            if len(name) > 2 and any(full.startswith(name) for full in _REFUSED_LONG):
+            # git takes an exact name before an abbreviation: `--text` is not `--textconv`.
+            if name not in _SAFE_LONG and len(name) > 2 and \
+                    any(full.startswith(name) for full in _REFUSED_LONG):
                 raise _refused(arg, "it writes a file, reads one from outside the "
                                     "repository, runs a program or reads stdin")
             continue
-        if not paths_only and arg.startswith("-") and len(arg) > 1:
+        if arg.startswith("-") and len(arg) > 1:
             for i, letter in enumerate(arg[1:]):
                 if letter in _REFUSED_SHORT.get(sub, ""):
                     raise _refused(arg, f"-{letter} reads or writes a file, or runs a program")

@@ -92,6 +92,10 @@ async def test_git_read_refuses_writes_and_global_options(repo: Path, command: s
     ("log -p -O/tmp/order", "-O reads or writes"),
     ("shortlog -n --output=notes HEAD", "writes a file"),  # -n takes no value there
     ("log -n --output=notes", "writes a file"),  # nor is an option ever a value
+    ("grep -e -- '-Otouch pwned'", "-O reads or writes"),  # `--` as -e's value
+    ("grep -ie -- -Ocat", "-O reads or writes"),
+    ("ls-files -x -- -X/etc/passwd -o -i", "-X reads or writes"),
+    ("show HEAD -- --output=x", "writes a file"),  # an option after `--` is checked
 ])
 async def test_git_read_refuses_options_that_reach_outside_the_repository(
         repo: Path, command: str, why: str) -> None:
@@ -110,6 +114,10 @@ async def test_git_read_takes_values_that_only_look_like_paths_or_options(repo: 
     assert (await run_tool(read, {"command": "log -SOME --oneline"}))["output"] == ""
     ranged = await run_tool(read, {"command": "log --format=%s HEAD~1..HEAD"})
     assert ranged["output"] == "second commit\n"
+    # Exact names that a refused option starts with are themselves fine.
+    for command in ("diff --text HEAD~1", "rev-list --objects --filter=blob:none HEAD",
+                    "log --all --exclude=refs/stash --oneline", "ls-files --exclude=*.o -o"):
+        await run_tool(read, {"command": command})
 
 
 @pytest.mark.parametrize("isolation", ["sandbox", "process"])
