@@ -320,6 +320,10 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                              retry_after_s=err.retry_after_s) from err.__cause__
         raise
     except SSEError as exc:
+        if "text/html" in str(exc):  # a web page: not an API, so not where base_url should be
+            raise ModelError("bad_request", f"the model server answered with an HTML page, "
+                             f"not the {req.provider} API: check the model's base_url",
+                             provider=req.provider) from exc
         raise ModelError("bad_request", f"expected an event stream: {clip(str(exc))}",
                          provider=req.provider) from exc
     except httpx.TransportError as exc:  # connect, read, write, pool, timeouts, protocol

@@ -52,6 +52,7 @@ class ScriptedChat:
         self.port = 0
         self.asked = asyncio.Event()  # set at the first request
         self.ignore_stream = False  # answer `stream: true` with the whole JSON reply
+        self.html = False  # answer with a web page, as a wrong base_url does
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -66,6 +67,9 @@ class ScriptedChat:
             deadline = time.monotonic() + delay[0]
             while time.monotonic() < deadline and not await request.is_disconnected():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
+        if self.html:
+            return Response("<html><body>Welcome to nginx!</body></html>",
+                            media_type="text/html")
         if status == 200 and self.received[-1].get("stream") and not self.ignore_stream:
             return Response(_as_stream(body), media_type="text/event-stream")
         return JSONResponse(body, status_code=status)
@@ -561,6 +565,20 @@ async def test_interactive_chat_goes_on_after_a_turn_that_timed_out(
     assert "was accepted but had not ended after 3 s" in out.stderr
     assert out.stdout == "Second answer.\n", out.stderr
     assert out.returncode == 3  # a turn timed out
+
+
+async def test_a_base_url_that_serves_a_web_page_is_named_as_such(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.html = True
+    model.script = [(200, reply("unused"))]
+    try:
+        end = await client.ask(sid, "Hello?")
+    finally:
+        model.html = False
+        model.script = []
+    assert isinstance(end, TurnFailed) and end.reason == "model_error", end
+    assert "answered with an HTML page, not the openai API: check the model's base_url" \
+        in end.message
 
 
 def test_a_message_without_a_planner_is_refused_clearly() -> None:
