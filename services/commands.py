@@ -558,6 +558,19 @@ class _StdinLines:
         return await got
 
 
+def _live_event(msg: Any) -> tuple[str, str, dict[str, Any]] | None:
+    """A message of `toolbus.live.<sid>.<kind>` as (sid, kind, its JSON object), or None
+    for one that is not."""
+    parts = msg.subject.split(".", 3)
+    if len(parts) < 4:
+        return None
+    try:
+        body = msgspec.json.decode(msg.data)
+    except msgspec.DecodeError:
+        return None
+    return (parts[2], parts[3], body) if isinstance(body, dict) else None
+
+
 def _is_terminal(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
@@ -602,16 +615,10 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                                                          cb=on_child)
 
     async def on_child(msg: Any) -> None:
-        parts = msg.subject.split(".", 3)
-        if len(parts) < 4:
+        event = _live_event(msg)
+        if event is None:
             return
-        child, kind = parts[2], parts[3]
-        try:
-            body = msgspec.json.decode(msg.data)
-        except msgspec.DecodeError:
-            return
-        if not isinstance(body, dict):
-            return
+        child, kind, body = event
         if kind.startswith("approval.requested"):
             print(f"  .. {_printable(body.get('tool'))} (agent session {child}) waits for a "
                   f"human: toolbus approve {_printable(body.get('call_id'))} --session "
@@ -620,13 +627,10 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             await watch_child(child, str(body.get("call_id")), str(body.get("tool")))
 
     async def on_live(msg: Any) -> None:
-        kind = msg.subject.split(".", 3)[3] if msg.subject.count(".") >= 3 else ""
-        try:
-            body = msgspec.json.decode(msg.data)
-        except msgspec.DecodeError:
+        event = _live_event(msg)
+        if event is None:
             return
-        if not isinstance(body, dict):
-            return
+        _, kind, body = event
         if "turn_id" in body and body["turn_id"] != current[0] and \
                 not kind.startswith("tool_event.injected"):
             return
