@@ -37,7 +37,7 @@ from bus.subjects import EVENTS_STREAM, session_of, type_filter
 from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
 from schemas.events import CallSucceeded, ResultCompressed
 from schemas.ids import is_token, result_compressed_id
-from schemas.manifest import CompressionConfig
+from schemas.manifest import DEFAULT_MAX_HISTORY_CHARS, AgentConfig, CompressionConfig
 from schemas.state import CallState, SessionState
 
 log = logging.getLogger("toolbus.compressor")
@@ -53,10 +53,20 @@ _ERROR_CHARS = 300
 
 @dataclass(frozen=True)
 class Compression:
-    """The budgets: the agent's (`agent_config.context.compression`), or a named agent's."""
+    """The budgets: the agent's (`agent_config.context.compression`), or a named agent's;
+    and the characters of earlier turns a model call carries at most
+    (`agent_config.context.max_history_chars`, None: no limit)."""
 
     default: CompressionConfig = field(default_factory=CompressionConfig)
     agents: Mapping[str, CompressionConfig] = field(default_factory=dict)
+    history_chars: int | None = DEFAULT_MAX_HISTORY_CHARS
+
+    @classmethod
+    def of(cls, agent: AgentConfig) -> Compression:
+        """The budgets a manifest's `agent_config` sets."""
+        return cls(default=agent.context.compression,
+                   agents={n: a.compression for n, a in agent.agents.items() if a.compression},
+                   history_chars=agent.context.max_history_chars)
 
     def settings(self, agent: str | None, tool: str) -> tuple[int, int]:
         """(budget in characters, preview items) for `tool`'s results in `agent`'s turns."""

@@ -24,7 +24,7 @@ from actors import compress
 from actors.compressor import CONTEXT_STATUS, RECALL, Compression, whole_result
 from actors.executor import Executor, current_dispatch
 from actors.kernel import SessionStates
-from actors.planner import DEFAULT_MAX_ITERATIONS, transcript
+from actors.planner import DEFAULT_MAX_ITERATIONS, message_chars, transcript
 from actors.tools import Resource, RunnableTool, ToolError
 from bus.artifacts import ArtifactStore
 from bus.connection import Bus
@@ -77,8 +77,8 @@ def recall_page(result: Any, *, key: str, path: str | None,
     return {"key": key, **page}
 
 
-def context_status(state: SessionState, turn_id: str, *,
-                   max_iterations: int) -> dict[str, Any]:
+def context_status(state: SessionState, turn_id: str, *, max_iterations: int,
+                   compression: Compression | None = None) -> dict[str, Any]:
     """The turn's budget and use, from the session's state alone."""
     turn = state.turns.get(turn_id)
     if turn is None:
@@ -91,9 +91,7 @@ def context_status(state: SessionState, turn_id: str, *,
     chat = sum(1 for s in turn.steps if s.purpose == "chat")
     size = 0
     if turn.message is not None:
-        for message in transcript(state, turn):
-            size += len(message.text) + sum(len(str(c.arguments)) + len(c.name)
-                                            for c in message.tool_calls)
+        size = sum(map(message_chars, transcript(state, turn, compression)))
     return {
         "iterations": {"used": chat, "limit": max_iterations,
                        "left": max(max_iterations - chat, 0)},
@@ -167,7 +165,8 @@ class ContextExecutor(Executor):
 
     async def _status(self, d: CallDispatched, arguments: dict[str, Any]) -> Any:
         state = await self._state(d.session_id)
-        return context_status(state, d.turn_id, max_iterations=self._max_iterations)
+        return context_status(state, d.turn_id, max_iterations=self._max_iterations,
+                              compression=self._compression)
 
 
 __all__ = ["CONTEXT_EXECUTOR", "CONTEXT_POOL", "CONTEXT_STATUS_SPEC", "RECALL_SPEC",

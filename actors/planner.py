@@ -54,7 +54,7 @@ import hashlib
 import logging
 import re
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -838,18 +838,89 @@ def _render_one(item: _HistoryItem, turn: TurnState,
 
 def _render_before(items: list[_HistoryItem], turn: TurnState,
                    compression: Compression | None) -> list[Message]:
-    out: list[Message] = []
+    window = _Window((compression or _NO_COMPRESSION).history_chars)
     for item in items:
-        out += _render_one(item, turn, compression)
-    return out
+        window.add(_render_one(item, turn, compression))
+    return window.view()
+
+
+# Once the earlier turns overflow the history budget, the oldest are left out until the
+# rest fill this share of it: the cut then stays put for many turns, so what the model
+# reads starts the same way from one call to the next (and a provider's prompt cache,
+# which matches on that start, keeps working).
+_HISTORY_REFILL = 0.75
+
+
+def message_chars(message: Message) -> int:
+    """A message's size as the history budget counts it: its text and its calls."""
+    return len(message.text) + sum(len(c.name) + len(_encode(c.arguments))
+                                   for c in message.tool_calls)
+
+
+class _Window:
+    """The earlier exchanges of a session the model reads (an exchange: an ended turn's
+    question and answer, or an injected tool event), oldest first: all of them while they
+    fit the budget; once they do not, the oldest are left out until the rest fit
+    `_HISTORY_REFILL` of it, and a first message says how many are missing. A function
+    of the exchanges in order alone: extended one by one (the cache), or all at once (a
+    fresh rendering, another process), it leaves out the same ones."""
+
+    __slots__ = ("_budget", "_groups", "_sizes", "chars", "left_out", "note")
+
+    def __init__(self, budget: int | None) -> None:
+        self._budget = budget
+        self._groups: deque[list[Message]] = deque()
+        self._sizes: deque[int] = deque()
+        self.chars = 0
+        self.left_out = 0  # exchanges left out that had anything to read
+        self.note: Message | None = None
+
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    def add(self, group: list[Message]) -> bool:
+        """Read `group` after the others; True if older ones were left out for it."""
+        size = sum(map(message_chars, group))
+        self._groups.append(group)
+        self._sizes.append(size)
+        self.chars += size
+        budget = self._budget
+        if budget is None or self.chars <= budget:
+            return False
+        floor = int(budget * _HISTORY_REFILL)
+        while self._sizes and self.chars > floor:
+            dropped = self._sizes.popleft()
+            self._groups.popleft()
+            self.chars -= dropped
+            self.left_out += dropped > 0
+        if self.left_out:
+            self.note = Message(role="user", text=(
+                f"[{self.left_out} earlier exchange{'s' if self.left_out != 1 else ''} of "
+                "this conversation left out to stay within the context budget; the most "
+                "recent ones follow.]"))
+        return True
+
+    def view(self) -> list[Message]:
+        out = [self.note] if self.note is not None else []
+        for group in self._groups:
+            out += group
+        return out
+
+    def copy(self) -> _Window:
+        other = _Window(self._budget)
+        other._groups = self._groups.copy()
+        other._sizes = self._sizes.copy()
+        other.chars, other.left_out, other.note = self.chars, self.left_out, self.note
+        return other
 
 
 @dataclass(slots=True)
 class _Rendered:
     agent: str | None
-    upto: int  # everything stored before this sequence is in `messages`, and final
-    messages: list[Message]
-    wire: WireMemo = field(default_factory=WireMemo)  # their wire forms, as sent
+    upto: int  # everything stored before this sequence is in `window`, and final
+    window: _Window
+    wire: WireMemo = field(default_factory=WireMemo)  # the wire forms of its view, as sent
 
 
 class HistoryCache:
@@ -857,7 +928,8 @@ class HistoryCache:
     and injected event stored before some sequence, kept while all of them are over (an
     ended turn never changes), and extended with the ones that ended since. A turn still
     running is rendered each time and not kept. Keyed by session and the asking turn's
-    agent (an injected result's budget depends on it); bounded like the session cache."""
+    agent (an injected result's budget depends on it); bounded like the session cache.
+    What is rendered goes through the history budget (`_Window`)."""
 
     def __init__(self, size: int = SESSION_CACHE_SIZE) -> None:
         self._entries: OrderedDict[str, _Rendered] = OrderedDict()
@@ -866,34 +938,48 @@ class HistoryCache:
     def before(self, state: SessionState, turn: TurnState,
                compression: Compression | None) -> list[Message]:
         sid = state.session_id
+        budget = (compression or _NO_COMPRESSION).history_chars
         existing = self._entries.get(sid)
         kept = existing
-        if kept is None or kept.agent != turn.agent or kept.upto > turn.seq:
-            kept = _Rendered(turn.agent, 0, [])  # another agent's, or ahead of this turn
+        if kept is None or kept.agent != turn.agent or kept.upto > turn.seq or \
+                kept.window.budget != budget:
+            # Another agent's, ahead of this turn, or under another budget.
+            kept = _Rendered(turn.agent, 0, _Window(budget))
         upto = kept.upto
-        final: list[Message] = []
-        tail: list[Message] = []
+        final: list[list[Message]] = []
+        tail: list[list[Message]] = []
         running = False
         for item in _items_before(state, kept.upto, turn.seq):
             running = running or (isinstance(item, TurnState) and item.status == "running")
             if running:
-                tail += _render_one(item, turn, compression)  # may still change: not kept
+                tail.append(_render_one(item, turn, compression))  # may still change
             else:
-                final += _render_one(item, turn, compression)
+                final.append(_render_one(item, turn, compression))
                 upto = item.seq + 1
         if not running:
             upto = turn.seq  # everything stored before the turn is rendered, and final
-        out = [*kept.messages, *final, *tail]
-        if kept is not existing and existing is not None and existing.agent == turn.agent:
-            return out  # an older turn's view: the one kept goes further
-        kept.messages += final
-        kept.wire.keep(final)
-        kept.upto = upto
-        self._entries[sid] = kept
-        self._entries.move_to_end(sid)
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-        return out
+        older = kept is not existing and existing is not None and existing.agent == turn.agent
+        moved = False
+        for group in final:
+            moved = kept.window.add(group) or moved
+        if not older:  # else an older turn's view: the one kept goes further
+            if moved:  # what is read starts elsewhere now: its wire forms anew
+                kept.wire = WireMemo()
+                kept.wire.keep(kept.window.view())
+            else:
+                for group in final:
+                    kept.wire.keep(group)
+            kept.upto = upto
+            self._entries[sid] = kept
+            self._entries.move_to_end(sid)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        if not tail:
+            return kept.window.view()
+        window = kept.window.copy()
+        for group in tail:
+            window.add(group)
+        return window.view()
 
     def wire(self, sid: str) -> WireMemo | None:
         """The wire forms of the history `before` last gave for `sid`, to pass to

@@ -561,10 +561,18 @@ class CompressionConfig(_Model):
                 own.preview_items if own.preview_items is not None else self.preview_items)
 
 
+# What the model reads of a session's earlier turns, in characters (about 50,000 tokens):
+# within every current model's context window, with room for the turn itself.
+DEFAULT_MAX_HISTORY_CHARS = 200_000
+
+
 class ContextConfig(_Model):
     # After a successful call of one of these, the turn's policies are decided again.
     reevaluation_tools: list[ToolRef] = []
     compression: CompressionConfig = CompressionConfig()
+    # The earlier turns and injected tool events a model call carries, at most (null: all
+    # of them); the oldest are left out first (actors/planner.py, `_Window`).
+    max_history_chars: Annotated[int, Field(ge=1000)] | None = DEFAULT_MAX_HISTORY_CHARS
 
 
 class ThinkStep(_Model):

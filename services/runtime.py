@@ -220,9 +220,7 @@ async def start_planner(bus: Bus, settings: ActorSettings, *,
                           api_key=m.api_key, temperature=m.temperature,
                           max_tokens=m.max_tokens, timeout_s=m.timeout_s,
                           max_retries=m.max_retries)
-    compression = Compression(
-        default=agent.context.compression,
-        agents={n: a.compression for n, a in agent.agents.items() if a.compression})
+    compression = Compression.of(agent)
     catalog = Catalog(bus)
     await catalog.start()
     planner = Planner(bus, catalog, model, rules=Rules.of(agent), compression=compression,

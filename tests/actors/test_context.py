@@ -338,3 +338,42 @@ async def test_an_injected_result_over_the_budget_is_previewed(
     assert len(shown["content"]) <= 800
     assert shown["content"].startswith(f"[STORED: {event_id} | github:list_commits]")
     assert "Type: Array(30)" in shown["content"]
+
+
+async def test_a_long_conversation_reaches_the_model_cut_to_the_history_budget(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    """Earlier turns that overflow `max_history_chars` are left out oldest first, and the
+    model is told so; `context-status` counts what the model reads."""
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    compression = Compression(history_chars=1000)
+    p = Planner(bus, system["catalog"], settings, instructions="Be brief.",
+                tools=lambda spec: spec.name.startswith(TOOLS), compression=compression)
+    context = ContextExecutor(bus, compression, instance="context-history", ack_wait_s=5.0)
+    await context.start()
+    await system["catalog"].wait_for_instance("context-history", timeout=5)
+    await p.start()
+    try:
+        for i in range(6):  # exchanges of about 600 characters: one fits the budget
+            model.script = [(200, reply(f"answer {i} " + "." * 290))]
+            end = await client.ask(sid, f"question {i} " + "." * 290, timeout=30)
+            assert isinstance(end, TurnCompleted), end
+        model.script = [(200, reply(calls=[("c1", "built-in__context-status", {})])),
+                        (200, reply("Done."))]
+        end = await client.ask(sid, "question 6", timeout=30)
+        assert isinstance(end, TurnCompleted), end
+    finally:
+        await p.stop()
+        await context.stop()
+    sent = [(m["role"], m["content"][:10]) for m in model.received[-2]["messages"]
+            if m["role"] != "system"]
+    assert sent == [("user", "[5 earlier"), ("user", "question 5"), ("assistant", "answer 5 ."),
+                    ("user", "question 6")]
+    assert "left out to stay within the context budget" in \
+        model.received[-2]["messages"][1]["content"]
+    # The second turn still read the first whole: nothing is cut before the budget is.
+    assert [m["content"][:10] for m in model.received[1]["messages"][1:]] == \
+        ["question 0", "answer 0 .", "question 1"]
+    status = json.loads(tool_messages(model.received[-1])[-1]["content"])
+    assert 600 < status["context"]["chars"] < 1000 + 200

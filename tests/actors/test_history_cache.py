@@ -16,8 +16,8 @@ from msgspec.json import encode
 
 from actors.compressor import Compression
 from actors.llm import BUILDERS
-from actors.llm.types import ModelSettings
-from actors.planner import HistoryCache, transcript
+from actors.llm.types import Message, ModelSettings
+from actors.planner import HistoryCache, message_chars, transcript
 from schemas.events import (
     Event,
     ToolEventInjected,
@@ -70,11 +70,16 @@ def _events(rng: random.Random, n: int) -> list[Event]:
     return out
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_cached_history_is_the_rendered_history(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "history_chars"),
+                         [*((s, None) for s in range(12)), *((s, 4000) for s in range(12))])
+def test_the_cached_history_is_the_rendered_history(seed: int,
+                                                    history_chars: int | None) -> None:
+    """Also under a history budget small enough that older exchanges are left out, again
+    and again (the 3000-character injected events overflow it)."""
     rng = random.Random(seed)
     compression = Compression(default=CompressionConfig(budget=400),
-                              agents={"helper": CompressionConfig(budget=2000)})
+                              agents={"helper": CompressionConfig(budget=2000)},
+                              history_chars=history_chars)
     cache = HistoryCache(size=4)
     state = SessionState(session_id=SID)
     asked = 0
@@ -114,5 +119,68 @@ def test_a_long_session_renders_only_what_ended_since() -> None:
                seq)
     kept = cache._entries[SID]
     # Everything before the last turn is kept, as rendered once.
-    assert kept.upto == state.turns["t199"].seq and len(kept.messages) == 2 * 199
+    assert kept.upto == state.turns["t199"].seq and len(kept.window.view()) == 2 * 199
     assert cache.wire(SID) is kept.wire
+
+
+def _long_session(n: int, cache: HistoryCache | None, compression: Compression,
+                  ) -> list[list[Message]]:
+    """`n` turns of 100-character questions and answers; what each turn's model reads."""
+    state = SessionState(session_id=SID)
+    seen: list[list[Message]] = []
+    for i in range(n):
+        evolve(state, TurnRequested(session_id=SID, at=0.0, actor="session", turn_id=f"t{i}",
+                                    request_id=f"t{i}", call_ids=[],
+                                    message=f"q{i:04d}".ljust(100, ".")), 2 * i + 1)
+        seen.append(transcript(state, state.turns[f"t{i}"], compression, cache))
+        evolve(state, TurnCompleted(session_id=SID, at=0.0, actor="planner", turn_id=f"t{i}",
+                                    request_id=f"t{i}", ok=True, outcomes=[],
+                                    text=f"a{i:04d}".ljust(100, ".")), 2 * i + 2)
+    return seen
+
+
+def test_a_long_history_is_cut_to_its_budget_oldest_first() -> None:
+    compression = Compression(history_chars=5000)
+    seen = _long_session(300, HistoryCache(), compression)
+    starts = []
+    for i, messages in enumerate(seen):
+        assert messages[-1].text.startswith(f"q{i:04d}")  # the turn's own question
+        history = messages[:-1]
+        if i <= 25:  # 25 exchanges of 200 characters fit 5,000
+            assert [m.text[:5] for m in history[::2]] == [f"q{k:04d}" for k in range(i)]
+            continue
+        note, *read = history
+        assert note.role == "user" and "left out" in note.text
+        left_out = int(note.text[1:].split()[0])
+        # The most recent exchanges, whole and in order, right up to this turn...
+        assert [m.text[:5] for m in read] == \
+            [w for k in range(left_out, i) for w in (f"q{k:04d}", f"a{k:04d}")]
+        # ... within the budget, and once cut, no less than the refill share of it.
+        assert 0.75 * 5000 - 200 < sum(map(message_chars, read)) <= 5000
+        starts.append(left_out)
+    # The cut moves by a quarter of the budget at a time, not at every turn: what the model
+    # reads starts the same way for runs of turns (a provider's prompt cache hits).
+    assert len(set(starts)) <= len(starts) // 5
+    # Without the cache, the same.
+    assert _long_session(300, None, compression) == seen
+
+
+def test_a_long_history_is_whole_without_a_budget() -> None:
+    seen = _long_session(120, HistoryCache(), Compression(history_chars=None))
+    assert len(seen[-1]) == 2 * 119 + 1 and seen[-1][0].text.startswith("q0000")
+
+
+def test_the_cut_history_is_sent_from_the_memo() -> None:
+    """After the cut moves, the wire forms of what is read are kept anew: a request is
+    built from them (not converted whole), and is byte for byte the one built without."""
+    cache = HistoryCache()
+    compression = Compression(history_chars=2000)
+    seen = _long_session(60, cache, compression)
+    memo = cache.wire(SID)
+    assert memo is not None and memo._kept and memo._kept[0] is seen[-1][0]
+    for provider, build in BUILDERS.items():
+        args = {"system": "sys", "messages": seen[-1], "tools": [], "tool_choice": "auto",
+                "response_schema": None, "stream": False}
+        settings = ModelSettings(provider=provider, model="m")
+        assert encode(build(settings, **args, memo=memo).body) == \
+            encode(build(settings, **args).body), provider

@@ -237,6 +237,10 @@ def test_an_invalid_output_schema_is_refused(text: str, path: str) -> None:
     ("agent_config: {model: {provider: openai, model: m, base_url: api.openai.com}}",
      "base_url must be an absolute http(s) URL"),
     ("agent_config: {limits: {max_iterations: 0}}", "agent_config.limits.max_iterations"),
+    ("agent_config: {context: {max_history_chars: 10}}",
+     "agent_config.context.max_history_chars"),
+    ("agent_config: {context: {max_history_chars: lots}}",
+     "agent_config.context.max_history_chars"),
     ("agent_config: {mode: hybrid}", "agent_config.mode"),
     ("agent_config: {context: {reevaluation_tools: [{id: authenticate_customer}]}}",
      "write it as namespace:tool"),
@@ -335,3 +339,15 @@ def test_error_messages_never_quote_a_resolved_key() -> None:
                           "'${K}', temperature: 9}}", K="sk-live-999")
     assert "agent_config.model.temperature" in message and "sk-live-999" not in message
     assert re.search(r"less than or equal to 2", message)
+
+
+def test_the_history_budget_is_the_default_a_number_or_none() -> None:
+    from actors.compressor import Compression
+    from schemas.manifest import DEFAULT_MAX_HISTORY_CHARS
+
+    def budget(text: str) -> int | None:
+        return Compression.of(parse_manifest(text, env={}).agent_config).history_chars
+
+    assert budget("") == DEFAULT_MAX_HISTORY_CHARS == 200_000
+    assert budget("agent_config: {context: {max_history_chars: 30000}}") == 30_000
+    assert budget("agent_config: {context: {max_history_chars: null}}") is None
