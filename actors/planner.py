@@ -68,6 +68,7 @@ from actors.composed import composed_prompt, composed_schema, flatten, read_comp
 from actors.compressor import CONTEXT_STATUS, RECALL, Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import WireMemo, complete
+from actors.llm.convert import stable_id
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
 from actors.session import InlineApproval, InlineApprover, due_in_turn
 from bus.catalog import Catalog
@@ -697,6 +698,23 @@ def match_prompt(rules: Rules) -> str:
             "Each line is a policy id and the condition under which it applies:\n"
             f"{listed}\n\nAnswer with a JSON object, {{\"applies\": [...]}}, listing the ids "
             "of the policies whose condition holds (an empty list when none does).")
+
+
+def _with_turn_unique_ids(turn: TurnState, calls: list[ModelToolCall]
+                          ) -> list[ModelToolCall]:
+    """`calls` with provider ids that no earlier call of the turn has: they go back to
+    the provider with the results, and a conversation with two calls of one id is refused
+    (Anthropic's 400) or answered wrongly. A server that numbers each reply's calls from 1,
+    or gives none (the transport makes one up from the reply, perhaps the same), would
+    repeat them; such an id is replaced by one made from the turn's own call id."""
+    used = {c.id for step in turn.steps for c in step.tool_calls}
+    out = []
+    for call in calls:
+        if call.id in used:
+            call = msgspec.structs.replace(call, id=stable_id("call", call.call_id, call.id))
+        used.add(call.id)
+        out.append(call)
+    return out
 
 
 def _request_step(turn: TurnState, step_id: str | None
@@ -1560,9 +1578,10 @@ class Planner:
                 emit_output=EMIT_OUTPUT if rules.emit is not None else None,
                 wrapped=_wrapped(rules.output_schema))
         elif asked.purpose == "chat":
-            calls = [ModelToolCall(call_id=call_id_for(turn.turn_id, ask.base + i), id=c.id,
-                                   name=c.name, arguments=_as_sent(c), extra=c.extra)
-                     for i, c in enumerate(reply.tool_calls)]
+            calls = _with_turn_unique_ids(turn, [
+                ModelToolCall(call_id=call_id_for(turn.turn_id, ask.base + i), id=c.id,
+                              name=c.name, arguments=_as_sent(c), extra=c.extra)
+                for i, c in enumerate(reply.tool_calls)])
         else:
             output, violations = parse_structured(reply.text, ask.validator)
         answer = ModelResponded(

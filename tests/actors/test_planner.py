@@ -206,6 +206,28 @@ async def test_calls_the_model_gave_one_id_are_answered_one_to_one(
     assert answers == [(call_ids[0], {"text": "a"}), (call_ids[1], {"text": "b"})]
 
 
+async def test_a_server_that_numbers_each_replys_calls_from_one_gets_ids_unique_in_the_turn(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    # Each reply calls its one call `call_1` (as some local servers do): the conversation
+    # sent back must still answer each call by an id of its own.
+    model.script = [
+        (200, reply(calls=[("call_1", "built-in__echo", {"text": "a"})])),
+        (200, reply(calls=[("call_1", "built-in__echo", {"text": "b"})])),
+        (200, reply("Both echoed.")),
+    ]
+    end = await client.ask(sid, "Echo a, then b.")
+    assert isinstance(end, TurnCompleted) and end.text == "Both echoed.", end
+    third = model.received[2]["messages"]
+    asked = [c["id"] for m in third if m["role"] == "assistant" for c in m["tool_calls"]]
+    answers = [(m["tool_call_id"], json.loads(m["content"])) for m in third
+               if m["role"] == "tool"]
+    assert asked[0] == "call_1" and len(set(asked)) == 2
+    assert answers == [(asked[0], {"text": "a"}), (asked[1], {"text": "b"})]
+    # The second request, built before the repeat, is unchanged by it.
+    assert [m.get("tool_call_id") for m in model.received[1]["messages"]
+            if m["role"] == "tool"] == ["call_1"]
+
+
 async def test_a_turn_accepted_but_slow_times_out_saying_so_not_blaming_the_server(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     model.script = [(200, reply("Late."), 3.0)]
