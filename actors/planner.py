@@ -79,7 +79,12 @@ from bus.partitions import PartitionOwner, member_name
 from bus.streams import ConsumerSpec, delete_consumers
 from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type_filter
 from bus.tasks import stop_task
-from schemas.defaults import DECIDE_ATTEMPTS, PARTITION_ACK_WAIT_S, SESSION_CACHE_SIZE
+from schemas.defaults import (
+    DECIDE_ATTEMPTS,
+    MAX_JSON_DEPTH,
+    PARTITION_ACK_WAIT_S,
+    SESSION_CACHE_SIZE,
+)
 from schemas.errors import ConcurrencyError, ModelError
 from schemas.events import (
     CallApproved,
@@ -113,7 +118,7 @@ from schemas.ids import (
 )
 from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
 from schemas.policy import DEFAULT_AGENT, Policy, evaluate
-from schemas.requests import MAX_TRANSFORM_CHARS
+from schemas.requests import MAX_TRANSFORM_CHARS, json_depth
 from schemas.state import (
     CallState,
     InjectedToolEvent,
@@ -762,8 +767,10 @@ def parse_structured(text: str, validator: Validator | None) -> tuple[Any, list[
         body = body.rsplit("```", 1)[0].strip()
     try:
         value = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
         return None, [f"$: the answer is not JSON: {clip(text, 200)!r}"]
+    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        return None, [f"$: the answer nests deeper than {MAX_JSON_DEPTH} levels"]
     if validator is None:
         return value, []
     if isinstance(value, dict):
@@ -1062,9 +1069,11 @@ def _as_sent(call: ToolCall) -> Any:
     if not isinstance(raw, str):
         return call.arguments
     try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+        value = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
         return raw
+    # Nested deeper than a request may be: the text, refused as not an object.
+    return value if json_depth(value, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH else raw
 
 
 def tools_digest(specs: Sequence[ToolSpec]) -> str:

@@ -67,14 +67,20 @@ class Validator:
         self._fill = _compile_filler(schema)
 
     def violations(self, value: Any) -> list[Violation]:
-        if self._rs.is_valid(value):
-            return []
-        out = []
-        for err in self._rs.iter_errors(value):
-            out.append(Violation(json_path(list(err.instance_path)), err.message))
-            if len(out) >= MAX_VIOLATIONS:
-                break
-        return out
+        try:
+            if self._rs.is_valid(value):
+                return []
+            out = []
+            for err in self._rs.iter_errors(value):
+                out.append(Violation(json_path(list(err.instance_path)), err.message))
+                if len(out) >= MAX_VIOLATIONS:
+                    break
+            return out
+        except (ValueError, RecursionError) as exc:
+            # jsonschema-rs gives up on a value nested too deeply ("Recursion limit
+            # reached"): a model's arguments can be; that is a violation, not a crash.
+            return [Violation("$", f"the value cannot be checked: {exc} (nested too "
+                                   "deeply?)")]
 
     def check(self, arguments: dict[str, Any]) -> tuple[dict[str, Any], list[Violation]]:
         if self._fill is not None:

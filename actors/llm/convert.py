@@ -13,8 +13,10 @@ from typing import Any, Self
 import msgspec
 
 from actors.llm.types import Message, ToolCall
+from schemas.defaults import MAX_JSON_DEPTH
 from schemas.errors import ConfigError
 from schemas.providers import ProviderNames, export
+from schemas.requests import json_depth
 from schemas.tools import ToolSpec
 
 
@@ -177,9 +179,18 @@ def parse_arguments(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             return {}, {"invalid_arguments": text}
     if value is None:
         return {}, {}
-    if isinstance(value, dict):
+    if isinstance(value, dict) and json_depth(value, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH:
         return value, {}
-    return {}, {"invalid_arguments": msgspec.json.encode(value).decode()}
+    if isinstance(raw, str | bytes):
+        # Not an object, or one nested deeper than any request may be (it could not be
+        # stored, folded or validated): kept as the model wrote it, to be refused.
+        return {}, {"invalid_arguments": raw if isinstance(raw, str)
+                    else raw.decode(errors="replace")}
+    try:
+        return {}, {"invalid_arguments": msgspec.json.encode(value).decode()}
+    except (msgspec.EncodeError, RecursionError):
+        return {}, {"invalid_arguments": f"(a JSON value nested deeper than {MAX_JSON_DEPTH} "
+                                         "levels)"}
 
 
 def arguments_json(call: ToolCall) -> str:

@@ -1,0 +1,134 @@
+"""Review: a hostile model and a careless manifest against the agent half (composed mode,
+latent tools, think steps, agents as tools), on real NATS and a real scripted model
+server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from actors.planner import Planner, Rules
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from schemas.events import TurnCompleted
+from tests.actors.test_planner import ScriptedChat, reply
+from tests.actors.test_planner_latent import _composed_planner
+
+NESTED = "[" * 5000 + "]" * 5000
+
+
+@pytest.fixture
+async def composed(bus: Bus, system: dict[str, Any], model: ScriptedChat
+                   ) -> AsyncIterator[Planner]:
+    p = await _composed_planner(bus, system, model, Rules(mode="composed",
+                                                          max_output_retries=1))
+    yield p
+    await p.stop()
+
+
+async def test_a_composed_answer_nested_too_deeply_goes_back_to_the_model(
+        bus: Bus, client: ToolbusClient, composed: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    model.script = [
+        (200, reply(json.dumps({"output": None, "calls": []})[:-1] + f', "x": {NESTED}}}')),
+        (200, reply(json.dumps({"output": "4", "calls": []}))),
+    ]
+    end = await client.ask(sid, "2+2?", timeout=30)
+    # An answer that is not usable JSON is a violation sent back to the model, as any
+    # other; never an internal failure of the planner.
+    assert isinstance(end, TurnCompleted) and end.text == "4", end
+
+
+async def test_a_think_output_nested_too_deeply_goes_back_to_the_model(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str) -> None:
+    from schemas.manifest import ThinkStep
+
+    step = ThinkStep(id="plan", instruction="Plan.", output_schema={"type": "object"})
+    p = await _composed_planner(bus, system, model, Rules(think=(step,),
+                                                          max_output_retries=1))
+    try:
+        model.script = [(200, reply(NESTED)), (200, reply("{}")), (200, reply("done"))]
+        end = await client.ask(sid, "Go.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "done", end
+
+
+DEEP_ARGS = {"a": json.loads("[" * 300 + "]" * 300)}  # decodes, but deeper than validators go
+
+
+async def test_emit_output_nested_too_deeply_is_refused_back_to_the_model(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = await _composed_planner(bus, system, model, Rules(output_schema=schema))
+    try:
+        model.script = [
+            (200, reply(calls=[("e1", "built-in__emit_output", DEEP_ARGS)])),
+            (200, reply(calls=[("e2", "built-in__emit_output", {"a": 1})])),
+        ]
+        end = await client.ask(sid, "Go.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.output == {"a": 1}, end
+
+
+async def test_native_arguments_nested_too_deeply_are_refused_with_inline_approval(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str) -> None:
+    from actors.llm.types import ModelSettings
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    # As `toolbus up` runs it: the approval actor in the planner's process.
+    p = Planner(bus, system["catalog"], settings,
+                tools=lambda s: s.name == "built-in:current_time", approval=system["approval"])
+    await p.start()
+    try:
+        model.script = [
+            (200, reply(calls=[("c1", "built-in__current_time",
+                                {"timezone": DEEP_ARGS["a"]})])),
+            (200, reply("gave up")),
+        ]
+        end = await client.ask(sid, "Go.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "gave up", end
+    (outcome,) = end.outcomes
+    assert outcome.status == "rejected" and outcome.error is not None, outcome
+    assert outcome.error.error_type == "invalid_arguments", outcome
+
+
+@pytest.mark.parametrize("depth", [990, 5000])
+async def test_native_arguments_nested_too_deeply_are_refused_and_the_session_goes_on(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str, depth: int) -> None:
+    from actors.llm.types import ModelSettings
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    p = Planner(bus, system["catalog"], settings, tools=lambda s: s.name == "built-in:echo")
+    await p.start()
+    deep = reply(calls=[("c1", "built-in__echo", {})])
+    deep["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = \
+        '{"a": ' + "[" * depth + "]" * depth + "}"
+    try:
+        model.script = [
+            (200, deep),
+            (200, reply("done")),
+        ]
+        end = await client.ask(sid, "Go.", timeout=30)
+        model.script = [(200, reply("again"))]
+        again = await client.ask(sid, "Again.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "done", end
+    (outcome,) = end.outcomes  # refused, the model told: never run, never stored deep
+    assert outcome.status == "rejected" and outcome.error is not None, outcome
+    assert outcome.error.error_type == "invalid_arguments", outcome
+    assert isinstance(again, TurnCompleted) and again.text == "again", again
+    # The `client` fixture then checks that the replay equals the live state.
