@@ -85,7 +85,7 @@ from schemas.defaults import (
     PARTITION_ACK_WAIT_S,
     SESSION_CACHE_SIZE,
 )
-from schemas.errors import ConcurrencyError, ModelError
+from schemas.errors import ConcurrencyError, EventTooLargeError, ModelError
 from schemas.events import (
     CallApproved,
     CallRejected,
@@ -1623,6 +1623,13 @@ class Planner:
             # Checked, so that it is folded now only if nothing was stored meanwhile (a
             # tool event injected during the model call must not be skipped over).
             return await self._store(entry, [item, *follow], asks, delivery)
+        except EventTooLargeError as exc:
+            # A reply under the transport's limit can still be too large for an event
+            # (a long text, many or large calls): nothing of it was stored (each event is
+            # size-checked before any is sent). A model error, as any unusable reply.
+            await self._fail_turn(entry, turn, "model_error",
+                                  f"the model's reply is too large to store: {exc}")
+            return []
         except ConcurrencyError:
             result = await self._kernel.log.append(item)
             # Folded when delivered, after whatever came before it.

@@ -13,7 +13,7 @@ import pytest
 from actors.planner import Planner, Rules
 from bus.client import ToolbusClient
 from bus.connection import Bus
-from schemas.events import TurnCompleted
+from schemas.events import TurnCompleted, TurnFailed
 from tests.actors.test_planner import ScriptedChat, reply
 from tests.actors.test_planner_latent import _composed_planner
 
@@ -132,3 +132,22 @@ async def test_native_arguments_nested_too_deeply_are_refused_and_the_session_go
     assert outcome.error.error_type == "invalid_arguments", outcome
     assert isinstance(again, TurnCompleted) and again.text == "again", again
     # The `client` fixture then checks that the replay equals the live state.
+
+
+async def test_a_reply_too_large_for_an_event_ends_the_turn_as_a_model_error(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str) -> None:
+    from actors.llm.types import ModelSettings
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    p = Planner(bus, system["catalog"], settings, tools=lambda s: s.name == "built-in:echo")
+    await p.start()
+    try:
+        # Under the transport's 16 MiB, over the 256 KiB an event may hold.
+        model.script = [(200, reply("x" * 400_000))]
+        end = await client.ask(sid, "Go.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnFailed) and end.reason == "model_error", end
+    assert "too large" in end.message
