@@ -235,8 +235,14 @@ class Rules:
         why not when it could not be evaluated."""
         try:
             value = self._conditions[policy.id].search(document)
-        except jmespath.exceptions.JMESPathError as exc:
-            return False, f"{policy.id}: when_state failed ({exc}); taken as not applying"
+        except (jmespath.exceptions.JMESPathError, TypeError, ValueError,
+                RecursionError) as exc:
+            # Not only JMESPath's own errors: its comparisons and functions raise
+            # TypeError / ValueError on values of an unexpected type (`"150" > 100`), and
+            # the state holds whatever the tools returned.
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return False, (f"{policy.id}: when_state failed ({clip(why, 300)}); taken as "
+                           "not applying")
         return _truthy(value), None
 
     def judge_output(self, call: ModelToolCall) -> tuple[Any, list[str]]:

@@ -151,3 +151,28 @@ async def test_a_reply_too_large_for_an_event_ends_the_turn_as_a_model_error(
         await p.stop()
     assert isinstance(end, TurnFailed) and end.reason == "model_error", end
     assert "too large" in end.message
+
+
+@pytest.mark.parametrize("data", [
+    {"crm": {"get_account": {"balance": "150"}}},       # a number sent as text
+    {"crm": {"get_account": {"balance": {"v": 1}}}},     # an object
+    {"crm": {"get_account": {"balance": [1, "a"]}}},     # a list
+])
+def test_when_state_over_a_result_of_an_unexpected_type_counts_as_not_applying(
+        data: dict[str, Any]) -> None:
+    from actors.planner import Offer, decide
+    from schemas.events import PoliciesMatched, TurnRequested
+    from tests.actors.test_planner_policies import _fold, agent
+
+    rules = agent({"policies": [
+        {"id": "rich", "when_state": "crm.get_account.balance > `100`",
+         "action": "Offer the premium card."},
+        {"id": "always", "action": "Be polite."},
+    ]})
+    state = _fold([TurnRequested(session_id="s", at=0.0, actor="session", turn_id="t",
+                                 request_id="t", call_ids=[], message="hi")])
+    state.data.update(data)
+    (matched,) = decide(state, Offer(provider="openai", model="m"), now=0.0, rules=rules)
+    assert isinstance(matched.event, PoliciesMatched)
+    assert matched.event.matched == ["always"]
+    assert all(n.startswith("rich: when_state failed") for n in matched.event.notes)
