@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from actors.llm.transport import MAX_CALLS_PER_REPLY
 from actors.llm.types import Message
 from schemas.defaults import MAX_JSON_DEPTH
 from schemas.events import ModelToolCall, clip
@@ -76,6 +77,11 @@ def read_composed(text: str, validator: Validator, *, turn_id: str, base: int,
     value, found = validator.check(value)
     if found:
         return text, [], [str(v) for v in found]
+    if len(value.get("calls") or []) > MAX_CALLS_PER_REPLY:
+        # The bound a native reply has (actors/llm/transport.py): a composed answer is
+        # text the model writes, and could otherwise list thousands of calls.
+        return text, [], [f"$.calls: {len(value['calls'])} calls; at most "
+                          f"{MAX_CALLS_PER_REPLY} in one answer"]
     calls: list[ModelToolCall] = []
     for raw in value.get("calls") or []:
         name = raw["_tool"]

@@ -176,3 +176,19 @@ def test_when_state_over_a_result_of_an_unexpected_type_counts_as_not_applying(
     assert isinstance(matched.event, PoliciesMatched)
     assert matched.event.matched == ["always"]
     assert all(n.startswith("rich: when_state failed") for n in matched.event.notes)
+
+
+async def test_a_composed_answer_may_not_ask_for_more_calls_than_a_native_reply(
+        bus: Bus, client: ToolbusClient, composed: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    from actors.llm.transport import MAX_CALLS_PER_REPLY
+
+    many = [{"_tool": "built-in:echo", "text": str(i)} for i in range(MAX_CALLS_PER_REPLY + 72)]
+    model.script = [
+        (200, reply(json.dumps({"output": None, "calls": many}))),
+        (200, reply(json.dumps({"output": "ok", "calls": []}))),
+    ]
+    end = await client.ask(sid, "Go.", timeout=60)
+    assert isinstance(end, TurnCompleted) and end.text == "ok", end
+    assert end.outcomes == [], f"{len(end.outcomes)} calls ran from one composed answer"
+    assert "calls" in model.received[1]["messages"][-1]["content"]
