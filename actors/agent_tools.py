@@ -22,12 +22,13 @@ replays the child. Nesting is bounded (`MAX_AGENT_DEPTH`).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from actors.executor import Executor, current_dispatch
+from actors.executor import Executor, current_delivery, current_dispatch
 from actors.llm.types import ModelSettings
 from actors.planner import AgentProfile, Rules
 from actors.tools import Resource, RunnableTool, ToolError
@@ -143,11 +144,16 @@ class AgentTool:
                             error_type="agent_depth")
         client = ToolbusClient(self.bus, max_watched_sessions=1)
         timeout_s = (d.timeout_ms or self.spec.timeout_ms) / 1000
+        delivery = current_delivery.get()
         try:
-            # A little longer than the executor's own timeout, which ends the call first.
-            end: Event = await client.ask(child, arguments["message"], agent=self.agent,
-                                          request_id=child_request_id(d.session_id, d.call_id),
-                                          timeout=timeout_s + 5)
+            # Waiting, it holds none of the executor's slots: the child's own agent calls
+            # need them (with every slot held by a waiting parent, none could start).
+            with delivery.waiting() if delivery is not None else contextlib.nullcontext():
+                # A little longer than the executor's own timeout, which ends it first.
+                end: Event = await client.ask(
+                    child, arguments["message"], agent=self.agent,
+                    request_id=child_request_id(d.session_id, d.call_id),
+                    timeout=timeout_s + 5)
         except BusTimeoutError as exc:
             raise ToolError(f"agent {self.agent} (session {child}) did not answer: {exc}",
                             error_type="timeout", retryable=True) from exc
@@ -183,7 +189,10 @@ class AgentExecutor(Executor):
         tools: list[RunnableTool] = [AgentTool(agent_tool_spec(n, a), n, bus)
                                      for n, a in agents.items()]
         options: dict[str, Any] = {} if ack_wait_s is None else {"ack_wait_s": ack_wait_s}
-        super().__init__(bus, tools, instance=instance, pool=AGENT_POOL, **options)
+        # No bound on calls waiting for their child turns: each is a coroutine and a
+        # subscription, and a bound could be filled by waiting parents (see `run`).
+        super().__init__(bus, tools, instance=instance, pool=AGENT_POOL, max_ack_pending=-1,
+                         **options)
 
 
 

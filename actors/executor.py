@@ -92,6 +92,9 @@ _RUNNING: dict[str, Executor] = {}
 # caller's session: agents as tools (actors/agent_tools.py), the context tools.
 current_dispatch: ContextVar[CallDispatched | None] = ContextVar("toolbus_dispatch",
                                                                  default=None)
+# Its delivery: a tool that waits for other calls to run (an agent for its child's turn)
+# waits inside `delivery.waiting()`, so that it holds none of the executor's slots.
+current_delivery: ContextVar[Delivery | None] = ContextVar("toolbus_delivery", default=None)
 
 class Executor:
     def __init__(
@@ -105,6 +108,7 @@ class Executor:
         pool: str = DEFAULT_POOL,
         ack_wait_s: float = EXECUTOR_ACK_WAIT_S,
         max_in_flight: int = MAX_IN_FLIGHT,
+        max_ack_pending: int = 4096,
         max_inline_result: int = MAX_INLINE_RESULT_BYTES,
         max_result: int = MAX_RESULT_BYTES,
         clock: Callable[[], float] = time.time,
@@ -135,11 +139,11 @@ class Executor:
         # instance with `_instance`; it is removed an hour after the instance is gone.
         specs = [ConsumerSpec(EVENTS_STREAM, f"exec_{pool}_{ns}",
                               (dispatch_filter(pool_route(pool, ns)),),
-                              ack_wait_s=ack_wait_s, max_ack_pending=4096)
+                              ack_wait_s=ack_wait_s, max_ack_pending=max_ack_pending)
                  for ns in namespaces]
         specs += [ConsumerSpec(EVENTS_STREAM, f"exec_instance_{self.instance}_{ns}",
                                (dispatch_filter(instance_route(self.instance, ns)),),
-                               ack_wait_s=ack_wait_s, max_ack_pending=4096,
+                               ack_wait_s=ack_wait_s, max_ack_pending=max_ack_pending,
                                inactive_threshold_s=3600.0)
                   for ns in namespaces]
         for spec in specs:
@@ -356,6 +360,7 @@ class Executor:
         t0 = time.perf_counter()
         self.runs += 1
         token = current_dispatch.set(d)
+        held = current_delivery.set(keep_alive.delivery)
         try:
             async with asyncio.timeout(timeout_s):
                 result: Any = await tool.run(d.arguments, self._resources.values,
@@ -370,6 +375,7 @@ class Executor:
             return self._failed(d, type(exc).__name__, str(exc) or repr(exc),
                                 duration_ms=_ms(t0))
         finally:
+            current_delivery.reset(held)
             current_dispatch.reset(token)
         validator = self._output_validator(tool)
         if validator is not None:
@@ -435,6 +441,10 @@ class _KeepAlive:
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(interval, self._tick)
         self._task: asyncio.Task[None] | None = None
         self._last_poke = 0.0
+
+    @property
+    def delivery(self) -> Delivery:
+        return self._delivery
 
     def _tick(self) -> None:
         self._task = self._loop.create_task(self._beat())

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,23 @@ class Delivery:
     num_delivered: int
     timestamp_ns: int
     _msg: Msg
+    _loop: PullLoop | None = None
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """While its handler waits for work elsewhere (an agent call, for its child's
+        turn), this message does not count against its loop's in-flight bound: the loop
+        goes on pulling, so a wait on another message of the same consumer (an agent
+        calling an agent) can never find every slot held by messages waiting likewise."""
+        loop = self._loop
+        if loop is None:
+            yield
+            return
+        loop._step_out()
+        try:
+            yield
+        finally:
+            loop._in_flight += 1
 
     async def ack(self) -> None:
         # Fire-and-forget: a lost ack only means a redelivery, which every actor handles.
@@ -238,6 +255,7 @@ class PullLoop:
             num_delivered=num_delivered,
             timestamp_ns=timestamp_ns,
             _msg=msg,
+            _loop=self,
         )
         self._in_flight += 1
         if self._arrived is not None:
@@ -272,6 +290,11 @@ class PullLoop:
         finally:
             if self._queues.get(key) is queue:
                 del self._queues[key]
+
+    def _step_out(self) -> None:
+        self._in_flight -= 1
+        if self._max - self._in_flight - self._outstanding >= self._max // 2:
+            self._wake.set()
 
     async def _handle(self, delivery: Delivery) -> None:
         try:

@@ -758,6 +758,13 @@ class Manifest(_Model):
         if t.latent and self.agent_config.model is None:
             raise ValueError("tools.latent: a latent tool is run by the planner's model; set "
                              "agent_config.model")
+        default = self.policy.default_agent
+        if default in self.agent_config.agents:
+            raise ValueError(
+                f"agent_config.agents.{default}: {default!r} is the agent of every request "
+                "that names none (policy.default_agent), whose turns would then take this "
+                "agent's instructions, model and tools; name the agent otherwise, or set "
+                "those in agent_config itself")
         return self
 
     # Defined after the other validators, so it wraps them: they see both lists as written

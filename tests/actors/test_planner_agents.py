@@ -9,10 +9,12 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from actors.agent_tools import MAX_AGENT_DEPTH, child_session_id, depth_of
 from actors.planner import Offer, Rules, decide
@@ -26,7 +28,7 @@ from schemas.manifest import parse_manifest
 from schemas.state import SessionState, evolve
 from services.config import ActorSettings
 from services.runtime import start_planner
-from tests.actors.test_planner import ScriptedChat, reply
+from tests.actors.test_planner import ScriptedChat, _as_stream, reply
 from tests.conftest import REPO, EventWatch, assert_replay_equals_live, of_type
 
 WRITER = "You write things down, and say what you wrote."
@@ -255,3 +257,87 @@ def test_a_named_agent_may_have_a_mode_of_its_own() -> None:
     profiles = agent_profiles(config)
     assert profiles["small"].rules.mode == "composed"
     assert profiles["same"].rules.mode == config.mode == "native"
+
+
+# --- an agent that calls itself (found by a review) -------------------------------------
+
+
+class _FnChat(ScriptedChat):
+    """Answers each request with `fn(request)`: concurrent sessions need no script order."""
+
+    def __init__(self, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    async def _complete(self, request: Request) -> Response:
+        data = json.loads(await request.body())
+        self.received.append(data)
+        body = self.fn(data)
+        if data.get("stream"):
+            return Response(_as_stream(body), media_type="text/event-stream")
+        return JSONResponse(body)
+
+
+def _recurse(data: dict[str, Any]) -> dict[str, Any]:
+    """A model talked into calling `agent:delegate` again whenever it may."""
+    last = data["messages"][-1]
+    tools = {t["function"]["name"] for t in data.get("tools", [])}
+    if last["role"] == "tool":
+        return reply(f"done: {last['content'][:80]}")
+    if "agent__delegate" in tools:
+        return reply(calls=[(f"c{uuid.uuid4().hex[:6]}", "agent__delegate",
+                             {"message": "Ask yourself again."})])
+    return reply("no tools")
+
+
+@pytest.fixture
+async def recursive(bus: Bus, system: dict[str, Any]) -> AsyncIterator[_FnChat]:
+    """A planner whose named agent `delegate` is offered `agent:*`, itself included (a
+    careless manifest), as is the default agent."""
+    server = await _FnChat(_recurse).start()
+    manifest = parse_manifest(
+        "agent_config:\n"
+        "  model:\n"
+        "    provider: openai\n"
+        "    model: scripted\n"
+        f"    base_url: http://127.0.0.1:{server.port}/v1\n"
+        "    api_key: ${SCRIPTED_KEY}\n"
+        "    max_retries: 1\n"
+        "  agents:\n"
+        "    delegate:\n"
+        "      instructions: Delegate.\n"
+        "      tools: ['agent:*']\n", env={"SCRIPTED_KEY": "k"})
+    actor = await start_planner(bus, ActorSettings(
+        manifest=manifest, instance=f"t-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))
+    await system["catalog"]._specs.wait_until(lambda items: "agent.delegate" in items, 5)
+    yield server
+    await actor.stop()
+    await server.stop()
+
+
+async def test_an_agent_calling_itself_stops_at_the_depth_limit(
+        client: ToolbusClient, recursive: _FnChat, sid: str) -> None:
+    end = await client.ask(sid, "Go.", timeout=60)
+    assert isinstance(end, TurnCompleted), end
+    # The turn and each child turn down to the limit: a call, then an answer each.
+    assert len(recursive.received) == 2 * (MAX_AGENT_DEPTH + 1)
+    refused = [r for r in recursive.received if r["messages"][-1]["role"] == "tool"
+               and "agents already call agents" in r["messages"][-1]["content"]]
+    assert refused  # the deepest level's call, answered without running (and quoted above)
+
+
+async def test_agent_calls_waiting_for_their_children_hold_none_of_the_executors_slots(
+        monkeypatch: pytest.MonkeyPatch, client: ToolbusClient, sid: str,
+        bus: Bus, system: dict[str, Any]) -> None:
+    """Each level's agent call waits for its child turn, whose own agent call needs the
+    same executor: with 2 slots, held by waiting parents, no child call could start, and
+    every level waited `AGENT_TIMEOUT_MS` (30 min). Three sessions at once, 4 deep."""
+    from actors.executor import Executor
+
+    assert Executor.__init__.__kwdefaults__ is not None
+    monkeypatch.setitem(Executor.__init__.__kwdefaults__, "max_in_flight", 2)
+    async for server in recursive.__wrapped__(bus, system):  # type: ignore[attr-defined]
+        ends = await asyncio.gather(*(client.ask(f"{sid}-{i}", "Go.", timeout=60)
+                                      for i in range(3)))
+        assert all(isinstance(e, TurnCompleted) for e in ends), ends
+        assert len(server.received) == 3 * 2 * (MAX_AGENT_DEPTH + 1)

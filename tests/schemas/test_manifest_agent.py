@@ -259,6 +259,10 @@ def test_an_invalid_output_schema_is_refused(text: str, path: str) -> None:
     (f"agent_config: {{{MODEL}, agents: {{a: {{instructions: i, tools: [cars]}}}}}}",
      "tool pattern 'cars': write namespace:tool"),
     ("agent_config: {agents: {'a b': {instructions: i}}}", "agent_config.agents.a b"),
+    (f"agent_config: {{{MODEL}, agents: {{default: {{instructions: i}}}}}}",
+     "agent_config.agents.default: 'default' is the agent of every request that names none"),
+    (f"policy: {{default_agent: kiosk}}\nagent_config: {{{MODEL}, agents: {{kiosk: "
+     "{instructions: i}}}", "agent_config.agents.kiosk: 'kiosk' is the agent"),
 ])
 def test_each_field_is_checked_where_it_is_written(text: str, why: str) -> None:
     assert why in problems_of(text, OPENAI_API_KEY="k")
