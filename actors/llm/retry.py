@@ -85,7 +85,7 @@ def retry_after(headers: Mapping[str, str], now: datetime | None = None) -> floa
         pass
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a year or offset past any C int
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

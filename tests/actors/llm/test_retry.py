@@ -288,6 +288,16 @@ def test_retry_after_reads_milliseconds_seconds_and_http_dates() -> None:
     assert retry_after({}) is None
 
 
+def test_a_retry_after_date_past_any_year_is_no_hint_not_a_crash() -> None:
+    # parsedate_to_datetime raises OverflowError, neither TypeError nor ValueError, for a
+    # year or an offset too large for a C int: it escaped the model call, and the planner
+    # failed the turn `internal` instead of retrying the 429.
+    for value in ("Mon, 01 Jan 99999999999999999999 00:00:00 GMT",
+                  "Mon, 01 Jan 2024 99999999999999999999:00:00 GMT",
+                  "Mon, 01 Jan 2024 00:00:00 +99999999999999999999"):
+        assert retry_after({"retry-after": value}) is None
+
+
 def test_backoff_doubles_up_to_its_cap_with_jitter() -> None:
     backoff = Backoff(first_s=0.5, max_s=4.0)
     for retry, top in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0), (9, 4.0)]:
