@@ -12,15 +12,17 @@ what it says, except that once a delta has been delivered any of these is
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import httpx
 import msgspec
-from httpx_sse import EventSource, SSEError
+from httpx_sse import SSEError
 
 from actors.llm.convert import stable_id
 from actors.llm.retry import clip, http_error, redact
@@ -40,6 +42,8 @@ ATTEMPT_DEADLINE_FACTOR: Final = 10
 OnDelta = Callable[[str], Awaitable[None]]
 
 _DRAIN_EVENTS = 16  # events read past a stream's last one before giving up on reuse
+_DRAIN_S = 1.0  # and how long they may take: the reply is whole, whatever comes after it
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 class StreamDecoder(Protocol):
@@ -274,27 +278,18 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                     await on_delta(reply.text)
             else:
                 decoder = req.stream()
-                after_end = 0
-                size = 0
-                async with contextlib.aclosing(EventSource(response).aiter_sse()) as events:
-                    async for sse in events:
-                        size += len(sse.data) + len(sse.event)
-                        if size > MAX_REPLY_BYTES:
-                            raise _too_large(req.provider)
-                        if decoder.ended:
-                            # Read on to the end of the body (a few bytes at most), so the
-                            # connection goes back to the pool instead of being closed.
-                            after_end += 1
-                            if after_end > _DRAIN_EVENTS:
-                                break
-                            continue
+                async with contextlib.aclosing(_events(response, req.provider)) as events:
+                    async for name, data in events:
                         with _shape(req.provider):
-                            delta = decoder.feed(sse.event, sse.data)
+                            delta = decoder.feed(name, data)
                         if delta and on_delta is not None:
                             delta = guard.feed(delta, req.provider)
                             if delta:
                                 delivered = True
                                 await on_delta(delta)
+                        if decoder.ended:
+                            await _drain(events)
+                            break
                 if not decoder.complete:
                     raise ModelError("unavailable", "the stream ended before its last event",
                                      provider=req.provider, retryable=True)
@@ -342,6 +337,65 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
         raise ModelError("unavailable", what, provider=req.provider, retryable=True) from None
     latency_ms = int((time.monotonic() - start) * 1000)
     return msgspec.structs.replace(reply, latency_ms=latency_ms)
+
+
+async def _events(response: httpx.Response, provider: str,
+                  ) -> AsyncGenerator[tuple[str, str], None]:
+    """The stream's events, (name, data), as the SSE spec reads them (lines end with CRLF,
+    LF or CR; a blank line ends an event, dispatched if it has data; UTF-8), with every
+    byte of the body counted: a line, or an event, that never ends must not fill memory
+    before it is whole enough to be counted (httpx-sse kept all of it). Comments, `id`
+    and `retry` are of no use here."""
+    media = str(response.headers.get("content-type", "")).partition(";")[0]
+    if "text/event-stream" not in media:
+        raise SSEError("Expected response header Content-Type to contain "
+                       f"'text/event-stream', got {media!r}")
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    size = 0
+    line: list[str] = []  # the line read so far
+    cr = False  # the last piece ended with CR: an LF first in the next one belongs to it
+    name = ""
+    data: list[str] = []
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise _too_large(provider)
+        piece = text.decode(chunk)
+        if not piece:
+            continue
+        if cr and piece[0] == "\n":
+            piece = piece[1:]
+        cr = piece.endswith("\r")
+        lines = _LINE_BREAK.split(piece)
+        line.append(lines[0])
+        for rest in lines[1:]:  # each starts after a line break
+            whole, line = "".join(line), [rest]
+            if not whole:  # the event ends; one without data is none (the SSE spec)
+                if data:
+                    yield name, "\n".join(data)
+                name, data = "", []
+                continue
+            field, _, value = whole.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+    # What is left is an event no blank line ended: not one.
+
+
+async def _drain(events: AsyncIterator[tuple[str, str]]) -> None:
+    """Read on past a stream's last event to the end of the body (a few bytes at most),
+    so that the connection goes back to the pool instead of being closed. Best effort:
+    the reply is whole, so a server that keeps the stream open, breaks it or sends more
+    only costs the connection."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(_DRAIN_S):
+            n = 0
+            async for _ in events:
+                n += 1
+                if n > _DRAIN_EVENTS:
+                    return
 
 
 @contextlib.contextmanager

@@ -184,6 +184,71 @@ async def test_a_reply_over_the_size_limit_is_refused(server: tuple[RawServer, i
     assert got.kind == "partial_stream" and 50 < len(deltas) < 110
 
 
+@pytest.mark.parametrize("provider", ["openai", "openai-responses", "anthropic", "gemini"])
+@pytest.mark.parametrize("line", [b"x" * 65536, b"x" * 1000 + b"\ndata: "],
+                         ids=["one-line", "no-blank-line"])
+async def test_an_event_that_never_ends_is_refused_at_the_size_limit(
+        server: tuple[RawServer, int], monkeypatch: pytest.MonkeyPatch, provider: str,
+        line: bytes) -> None:
+    # A `data:` line with no end of line, or `data:` lines with no blank line after them:
+    # httpx-sse kept all of it in memory until the event ended, before any count.
+    monkeypatch.setattr(transport, "MAX_REPLY_BYTES", 100_000)
+    raw, port = server
+    raw.reply = events([b"data: ", *[line] * (3_000_000 // len(line))])  # then it closes
+    started = time.monotonic()
+    got, _ = await ask(port, provider, stream=True)
+    assert isinstance(got, ModelError) and "over 100000 bytes" in got.message, got
+    assert time.monotonic() - started < 4
+
+
+async def test_events_cut_anywhere_read_the_same(server: tuple[RawServer, int]) -> None:
+    # CRLF, CR and LF line ends; a CRLF and a UTF-8 character split between two reads;
+    # comments, an id and a field without a colon; an event with no data, which is none
+    # (once an `id:` had come, httpx-sse made every later blank line an event with empty
+    # data, which is not JSON); an event no blank line ends.
+    chunk = json.dumps({"id": "c", "choices": [{"index": 0, "delta": {
+        "content": "h\u00e9llo \u2603"}}]}, ensure_ascii=False).encode()
+    done = json.dumps({"id": "c", "choices": [{"index": 0, "delta": {},
+                                               "finish_reason": "stop"}]}).encode()
+    cut = chunk.index("\u2603".encode()) + 1
+    raw, port = server
+    raw.reply = events([b": hello\r\nid: 1\r\ndata: ", chunk[:cut], chunk[cut:], b"\r",
+                        b"\n\r", b"\ndata: " + done + b"\r\rfoo\n\n", b"data: [DO",
+                        b"NE]\n", b"\n", b"data: [DONE]"], every_s=0.01)
+    got, deltas = await ask(port, stream=True)
+    assert not isinstance(got, ModelError), got
+    assert got.text == "h\u00e9llo \u2603" == "".join(deltas)
+
+
+@pytest.mark.parametrize(("provider", "last"), [
+    ("openai", b"data: [DONE]\n\n"),
+    ("anthropic", b'event: message_stop\ndata: {"type": "message_stop"}\n\n'),
+    ("openai-responses", b'data: {"type": "response.completed", "response": {"id": "r", '
+                         b'"status": "completed", "output": [{"type": "message", "content": '
+                         b'[{"type": "output_text", "text": "hi"}]}]}}\n\n'),
+])
+async def test_a_stream_kept_open_after_its_last_event_is_a_whole_reply(
+        server: tuple[RawServer, int], provider: str, last: bytes) -> None:
+    # The reply was whole; waiting for the end of the body failed it (`partial_stream`
+    # after a read timeout), and the planner asked the model again.
+    first = {"openai": sse({"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"},
+                                                    "finish_reason": "stop"}]}),
+             "anthropic": sse({"type": "message_start", "message": {"id": "m"}})
+             + sse({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}})
+             + sse({"type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": "hi"}}),
+             "openai-responses": sse({"type": "response.output_text.delta",
+                                      "output_index": 0, "delta": "hi"})}[provider]
+    raw, port = server
+    raw.reply = events([first + last], every_s=30)
+    started = time.monotonic()
+    got, deltas = await ask(port, provider, stream=True, timeout_s=5)
+    assert not isinstance(got, ModelError), got
+    assert got.text == "hi" and deltas == ["hi"]
+    assert time.monotonic() - started < 3
+
+
 async def test_a_stream_that_never_ends_ends_the_attempt_after_its_deadline(
         server: tuple[RawServer, int], monkeypatch: pytest.MonkeyPatch) -> None:
     # Each read is on time (a ping every 0.05 s, under timeout_s), so only the deadline
