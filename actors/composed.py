@@ -21,13 +21,12 @@ from typing import Any
 
 import msgspec
 
+from actors.llm.convert import model_json
 from actors.llm.transport import MAX_CALLS_PER_REPLY
 from actors.llm.types import Message
-from schemas.defaults import MAX_JSON_DEPTH
 from schemas.events import ModelToolCall, clip
 from schemas.ids import call_id_for
 from schemas.providers import compose_schema
-from schemas.requests import json_depth
 from schemas.tools import ToolSpec
 from schemas.validation import Validator
 
@@ -67,11 +66,9 @@ def read_composed(text: str, validator: Validator, *, turn_id: str, base: int,
         body = body.split("\n", 1)[1] if "\n" in body else ""
         body = body.rsplit("```", 1)[0].strip()
     try:
-        value = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
+        value = model_json(body)
+    except msgspec.DecodeError:
         return text, [], [f"$: the answer is not JSON: {clip(text, 200)!r}"]
-    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        return text, [], [f"$: the answer nests deeper than {MAX_JSON_DEPTH} levels"]
     if not isinstance(value, dict):
         return text, [], ["$: the answer is not a JSON object"]
     value, found = validator.check(value)

@@ -68,7 +68,7 @@ from actors.composed import composed_prompt, composed_schema, flatten, read_comp
 from actors.compressor import CONTEXT_STATUS, RECALL, Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import WireMemo, complete
-from actors.llm.convert import stable_id
+from actors.llm.convert import model_json, stable_id
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
 from actors.session import InlineApproval, InlineApprover, due_in_turn
 from bus.catalog import Catalog
@@ -81,7 +81,6 @@ from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type
 from bus.tasks import stop_task
 from schemas.defaults import (
     DECIDE_ATTEMPTS,
-    MAX_JSON_DEPTH,
     PARTITION_ACK_WAIT_S,
     SESSION_CACHE_SIZE,
 )
@@ -118,7 +117,7 @@ from schemas.ids import (
 )
 from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
 from schemas.policy import DEFAULT_AGENT, Policy, evaluate
-from schemas.requests import MAX_TRANSFORM_CHARS, json_depth
+from schemas.requests import MAX_TRANSFORM_CHARS
 from schemas.state import (
     CallState,
     InjectedToolEvent,
@@ -772,11 +771,9 @@ def parse_structured(text: str, validator: Validator | None) -> tuple[Any, list[
         body = body.split("\n", 1)[1] if "\n" in body else ""
         body = body.rsplit("```", 1)[0].strip()
     try:
-        value = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
+        value = model_json(body)
+    except msgspec.DecodeError:
         return None, [f"$: the answer is not JSON: {clip(text, 200)!r}"]
-    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        return None, [f"$: the answer nests deeper than {MAX_JSON_DEPTH} levels"]
     if validator is None:
         return value, []
     if isinstance(value, dict):
@@ -1075,11 +1072,9 @@ def _as_sent(call: ToolCall) -> Any:
     if not isinstance(raw, str):
         return call.arguments
     try:
-        value = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
+        return model_json(raw)
+    except msgspec.DecodeError:  # also nested too deeply to store and read back
         return raw
-    # Nested deeper than a request may be: the text, refused as not an object.
-    return value if json_depth(value, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH else raw
 
 
 def tools_digest(specs: Sequence[ToolSpec]) -> str:

@@ -164,33 +164,44 @@ class Names:
             return pname
 
 
+def model_json(text: str | bytes) -> Any:
+    """A model's JSON text (a call's arguments, a structured answer) decoded, at most
+    `MAX_JSON_DEPTH` levels deep, as a client's request: deeper, what is stored of it
+    might not be read back (msgspec's limit counts the stack it is read on, and an event
+    nests it further), so it fails as text that is not JSON: `msgspec.DecodeError`."""
+    try:
+        value = msgspec.json.decode(text)
+    except RecursionError:
+        value = None
+    else:
+        if json_depth(value, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH:
+            return value
+    raise msgspec.DecodeError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
 def parse_arguments(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arguments, extra) from a JSON string or an object. Arguments that are not a JSON
-    object are kept verbatim in `extra["invalid_arguments"]`, so the planner can say what
-    was wrong and the next request can echo exactly what the model sent."""
+    object (or nest deeper than `MAX_JSON_DEPTH`) are kept verbatim in
+    `extra["invalid_arguments"]`, so the planner can say what was wrong and the next
+    request can echo exactly what the model sent."""
     value: Any = raw
     if isinstance(raw, str | bytes):
         if not raw.strip():
             return {}, {}
         try:
-            value = msgspec.json.decode(raw)
-        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            value = model_json(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError):
             text = raw if isinstance(raw, str) else raw.decode(errors="replace")
             return {}, {"invalid_arguments": text}
     if value is None:
         return {}, {}
-    if isinstance(value, dict) and json_depth(value, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH:
+    deep = json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH  # an object decoded already
+    if isinstance(value, dict) and not deep:
         return value, {}
-    if isinstance(raw, str | bytes):
-        # Not an object, or one nested deeper than any request may be (it could not be
-        # stored, folded or validated): kept as the model wrote it, to be refused.
-        return {}, {"invalid_arguments": raw if isinstance(raw, str)
-                    else raw.decode(errors="replace")}
-    try:
-        return {}, {"invalid_arguments": msgspec.json.encode(value).decode()}
-    except (msgspec.EncodeError, RecursionError):
+    if deep:  # could not be stored, folded or validated: refused, and the model told why
         return {}, {"invalid_arguments": f"(a JSON value nested deeper than {MAX_JSON_DEPTH} "
                                          "levels)"}
+    return {}, {"invalid_arguments": msgspec.json.encode(value).decode()}
 
 
 def arguments_json(call: ToolCall) -> str:

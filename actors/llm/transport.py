@@ -27,8 +27,9 @@ from httpx_sse import SSEError
 from actors.llm.convert import stable_id
 from actors.llm.retry import clip, http_error, redact
 from actors.llm.types import ModelResponse
+from schemas.defaults import MAX_JSON_DEPTH
 from schemas.errors import ModelError
-from schemas.requests import INVISIBLE
+from schemas.requests import INVISIBLE, json_depth
 
 ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving up on it
 # What a provider may send in one reply, body or stream, before it is refused: a broken or
@@ -36,6 +37,9 @@ ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving
 MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
 MAX_CALLS_PER_REPLY: Final = 128
 MAX_CALL_ID_CHARS: Final = 512  # a tool call's id, and its name
+# Levels of JSON in a reply as stored (its calls' arguments at most MAX_JSON_DEPTH of them):
+# deeper, the event might not be read back.
+MAX_REPLY_DEPTH: Final = 2 * MAX_JSON_DEPTH
 # An attempt ends after this many times `timeout_s` in all (`timeout_s` bounds each read).
 ATTEMPT_DEADLINE_FACTOR: Final = 10
 
@@ -102,6 +106,8 @@ def checked(reply: ModelResponse) -> ModelResponse:
     can put a number where text belongs, and an event that cannot be read back breaks
     replay), within the bounds above. Raises `ValueError` or `msgspec.ValidationError`."""
     data = msgspec.to_builtins(reply)
+    if json_depth(data, MAX_REPLY_DEPTH) > MAX_REPLY_DEPTH:
+        raise ValueError(f"the reply nests deeper than {MAX_REPLY_DEPTH} levels")
     # Token counts only feed the turn's budget: a count that is not one is taken as none.
     data["usage"] = {k: _count(v) for k, v in (data.get("usage") or {}).items()}
     reply = msgspec.convert(data, ModelResponse)

@@ -30,7 +30,7 @@ from schemas.events import (
     TurnFailed,
 )
 from tests.conftest import REPO, assert_replay_equals_live
-from tests.llm_servers import Call, FakeProvider, Received, error, reply
+from tests.llm_servers import Call, FakeProvider, Received, Step, error, reply
 
 PROVIDERS: tuple[Provider, ...] = ("openai", "openai-responses", "anthropic", "gemini")
 
@@ -462,6 +462,31 @@ async def test_arguments_that_are_not_json_are_refused_and_never_run_the_tool(
     else:
         assert history[-2]["arguments"] == broken
         assert "JSON" in history[-1]["output"]
+    await assert_replay_equals_live(bus, client, sid)
+
+
+@pytest.mark.parametrize("api", [APIS["openai"]], ids=["openai"])
+@pytest.mark.parametrize("depth", [100, 940, 5000])
+async def test_arguments_nested_too_deeply_are_refused_and_the_turn_goes_on(
+        bus: Bus, client: ToolbusClient, planner: Planner, api: Api, fake: FakeProvider,
+        sid: str, depth: int) -> None:
+    # Deeper than a client's request may nest (64): decoded for the approval actor, or
+    # stored in the `model.responded`, they raised RecursionError in the planner (which
+    # failed the turn `internal`), or could not be read back.
+    arguments = "[" * depth + "]" * depth
+    fake.script(Step(body={"id": "chatcmpl-deep", "model": api.model, "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_deep", "type": "function",
+                "function": {"name": ECHO, "arguments": arguments}}]}}]}),
+        reply(api.provider, "I sent broken arguments."))
+    end = await client.ask(sid, "Echo something.", timeout=60)
+
+    assert isinstance(end, TurnCompleted), end
+    assert [(o.status, o.error.error_type if o.error else None) for o in end.outcomes] == \
+        [("rejected", "invalid_arguments")], end.outcomes
+    history = api.history(fake.requests[1])
+    assert history[-2]["tool_calls"][0]["function"]["arguments"] == arguments
     await assert_replay_equals_live(bus, client, sid)
 
 

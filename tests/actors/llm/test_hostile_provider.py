@@ -21,6 +21,7 @@ import pytest
 
 from actors.llm import Message, ModelSettings, complete, transport
 from actors.llm.retry import http_error, redact
+from schemas.defaults import MAX_JSON_DEPTH
 from schemas.errors import ModelError
 from schemas.events import ModelResponded
 
@@ -143,6 +144,40 @@ async def test_arguments_nested_too_deeply_are_kept_as_not_json_for_the_model(
     got, _ = await ask(port)
     (call,) = got.tool_calls
     assert call.arguments == {} and call.extra["invalid_arguments"] == deep
+
+
+async def test_json_deeper_than_a_request_may_nest_is_not_stored(
+        server: tuple[RawServer, int]) -> None:
+    # Arguments at most MAX_JSON_DEPTH levels deep, as a client's: deeper (940 levels
+    # decoded here), storing the `model.responded` holding them raised RecursionError
+    # in the planner, which failed the turn `internal`.
+    raw, port = server
+    deep = "[" * 940 + "]" * 940
+    raw.reply = body(chat({"content": "x", "tool_calls": [{"id": "c", "function": {
+        "name": "a__b", "arguments": deep}}]}))
+    got, _ = await ask(port)
+    (call,) = got.tool_calls
+    assert call.arguments == {} and call.extra["invalid_arguments"] == deep
+    # Already an object (Anthropic's `input`): refused as a call, back to the model;
+    # deeper than 128 anywhere in the reply: the reply is refused.
+    nested: Any = 1
+    for _ in range(MAX_JSON_DEPTH + 1):
+        nested = {"k": nested}
+    raw.reply = body(json.dumps({"content": [{"type": "tool_use", "id": "t", "name": "a__b",
+                                              "input": nested["k"]}]}).encode())
+    got, _ = await ask(port, "anthropic")
+    assert not isinstance(got, ModelError), got  # 64 levels: as deep as may be
+    raw.reply = body(json.dumps({"content": [{"type": "tool_use", "id": "t", "name": "a__b",
+                                              "input": nested}]}).encode())
+    got, _ = await ask(port, "anthropic")
+    assert not isinstance(got, ModelError), got
+    (call,) = got.tool_calls
+    assert call.arguments == {} and "deeper than 64 levels" in call.extra["invalid_arguments"]
+    raw.reply = body(json.dumps({"content": [
+        {"type": "thinking", "thinking": "", "signature": json.loads("[" * 130 + "]" * 130)},
+        {"type": "tool_use", "id": "t", "name": "a__b", "input": {}}]}).encode())
+    got, _ = await ask(port, "anthropic")
+    assert isinstance(got, ModelError) and "deeper than 128 levels" in got.message, got
 
 
 async def test_odd_token_counts_count_as_none_and_the_answer_stores(
