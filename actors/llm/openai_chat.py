@@ -158,6 +158,7 @@ class ChatStream:
         # Per call: its id, its name, and its arguments' fragments (joined at the end: a
         # string grown fragment by fragment costs the square of its length).
         self._calls: dict[int, tuple[list[str], list[str], list[str]]] = {}
+        self._last: int | None = None  # the call the latest fragment went to
         self._finish: str | None = None
         self._usage: dict[str, Any] = {}
         self._model = ""
@@ -181,9 +182,12 @@ class ChatStream:
                 continue
             delta = choice.get("delta") or {}
             piece += delta.get("content") or ""
-            for position, fragment in enumerate(delta.get("tool_calls") or []):
-                ids, names, arguments = self._calls.setdefault(
-                    fragment.get("index", position), ([], [], []))
+            for fragment in delta.get("tool_calls") or []:
+                key = fragment.get("index")
+                if key is None:
+                    key = self._unindexed(fragment.get("id"))
+                self._last = key
+                ids, names, arguments = self._calls.setdefault(key, ([], [], []))
                 if fragment.get("id"):
                     ids[:] = [fragment["id"]]
                 function = fragment.get("function") or {}
@@ -200,6 +204,15 @@ class ChatStream:
         if piece:
             self._text.append(piece)
         return piece
+
+    def _unindexed(self, call_id: Any) -> int:
+        """Where a fragment without an `index` goes (some compatible servers send each
+        call whole, one per chunk, without one): a new call if it brings an id other
+        than the latest call's, else on with the latest."""
+        last = self._last
+        if last is None or (call_id and self._calls[last][0] not in ([], [call_id])):
+            last = max((k for k in self._calls if isinstance(k, int)), default=-1) + 1
+        return last
 
     def result(self) -> ModelResponse:
         calls = [_call("".join(ids), "".join(names), "".join(arguments), self.names, i,

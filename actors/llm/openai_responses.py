@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+import msgspec
+
 from actors.llm.convert import (
     Assembly,
     Names,
@@ -169,6 +171,7 @@ class ResponsesStream:
         self.complete = False
         self._items: dict[int, dict[str, Any]] = {}
         self._arguments: dict[int, list[str]] = {}  # a function call's fragments so far
+        self._text: list[str] = []  # the text deltas, shown as they came
         self._final: dict[str, Any] = {}
 
     def feed(self, event: str, data: str) -> str:
@@ -179,7 +182,10 @@ class ResponsesStream:
         index = ev.get("output_index", 0)
         if kind == "response.output_text.delta":
             delta = ev.get("delta") or ""
-            return delta if isinstance(delta, str) else ""
+            if not isinstance(delta, str):
+                return ""
+            self._text.append(delta)
+            return delta
         if kind in ("response.output_item.added", "response.output_item.done"):
             self._items[index] = dict(ev.get("item") or {})
             self._arguments.pop(index, None)  # the item as it stands now
@@ -214,4 +220,9 @@ class ResponsesStream:
         response = dict(self._final)
         if not response.get("output"):
             response["output"] = [self._items[i] for i in sorted(self._items)]
-        return parse(response, self.names)
+        reply = parse(response, self.names)
+        if not reply.text and self._text:
+            # A server whose items never carry the text it streamed: the reply is what
+            # was shown, not nothing.
+            reply = msgspec.structs.replace(reply, text="".join(self._text))
+        return reply

@@ -284,6 +284,38 @@ async def test_a_stream_kept_open_after_its_last_event_is_a_whole_reply(
     assert time.monotonic() - started < 3
 
 
+async def test_parallel_calls_streamed_without_an_index_stay_apart(
+        server: tuple[RawServer, int]) -> None:
+    # Some compatible servers send each call whole, one per chunk, with no `index`: they
+    # were joined into one call, with the last id and the arguments '{"n": 1}{"n": 2}'.
+    def call(i: int) -> bytes:
+        return sse({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": "a__b", "arguments": json.dumps({"n": i})}}]}}]})
+    raw, port = server
+    raw.reply = events([call(1), call(2), sse({"id": "c", "choices": [
+        {"index": 0, "delta": {"tool_calls": [{"function": {"arguments": ""}}]},
+         "finish_reason": "tool_calls"}]}), b"data: [DONE]\n\n"])
+    got, _ = await ask(port, stream=True)
+    assert not isinstance(got, ModelError), got
+    assert [(c.id, c.arguments) for c in got.tool_calls] == [("call_1", {"n": 1}),
+                                                              ("call_2", {"n": 2})]
+
+
+async def test_a_responses_stream_whose_items_lack_its_text_answers_the_text_shown(
+        server: tuple[RawServer, int]) -> None:
+    raw, port = server
+    raw.reply = events([sse({"type": "response.output_text.delta", "output_index": 0,
+                             "delta": "Hel"}),
+                        sse({"type": "response.output_text.delta", "output_index": 0,
+                             "delta": "lo"}),
+                        sse({"type": "response.completed", "response": {
+                            "id": "r", "status": "completed", "output": []}})])
+    got, deltas = await ask(port, "openai-responses", stream=True)
+    assert not isinstance(got, ModelError), got
+    assert got.text == "Hello" == "".join(deltas)
+
+
 async def test_a_stream_that_never_ends_ends_the_attempt_after_its_deadline(
         server: tuple[RawServer, int], monkeypatch: pytest.MonkeyPatch) -> None:
     # Each read is on time (a ping every 0.05 s, under timeout_s), so only the deadline
