@@ -285,7 +285,7 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
             else:
                 decoder = req.stream()
                 async with contextlib.aclosing(_events(response, req.provider)) as events:
-                    async for name, data in events:
+                    async for name, data in _settled(events, decoder):
                         with _shape(req.provider):
                             delta = decoder.feed(name, data)
                         if delta and on_delta is not None:
@@ -388,6 +388,31 @@ async def _events(response: httpx.Response, provider: str,
             elif field == "data":
                 data.append(value)
     # What is left is an event no blank line ended: not one.
+
+
+async def _settled(events: AsyncIterator[tuple[str, str]], decoder: StreamDecoder
+                   ) -> AsyncIterator[tuple[str, str]]:
+    """`events`, until the stream ends or, for an API with no last event (Gemini's ends
+    when the body does), until the reply is whole and nothing more comes within
+    `_DRAIN_S`: a server that keeps such a stream open after its last chunk has nothing
+    more to say, and waiting for the body's end would fail the whole reply on a read
+    timeout."""
+    iterator = aiter(events)
+    while True:
+        quiet: asyncio.Timeout | None = None
+        try:
+            if decoder.complete and not decoder.ended:
+                async with asyncio.timeout(_DRAIN_S) as quiet:
+                    item = await anext(iterator)
+            else:
+                item = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if quiet is not None and quiet.expired():
+                return
+            raise
+        yield item
 
 
 async def _drain(events: AsyncIterator[tuple[str, str]]) -> None:

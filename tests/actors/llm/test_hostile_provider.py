@@ -284,6 +284,29 @@ async def test_a_stream_kept_open_after_its_last_event_is_a_whole_reply(
     assert time.monotonic() - started < 3
 
 
+async def test_a_gemini_stream_kept_open_after_its_last_chunk_is_a_whole_reply(
+        server: tuple[RawServer, int]) -> None:
+    # Gemini's stream has no last event: it ends with the body. A server that keeps it
+    # open after the chunk with `finishReason` failed the reply at the read timeout
+    # (`partial_stream`, asked again, then `model_error`); chunks that follow the finish
+    # promptly (the usage) are still read.
+    def chunk(value: dict[str, Any]) -> bytes:
+        return sse(value)
+    raw, port = server
+    raw.reply = events([chunk({"candidates": [{"content": {"parts": [{"text": "hi"}]}}]}),
+                        chunk({"candidates": [{"content": {"parts": [{"text": "!"}]},
+                                               "finishReason": "STOP"}]}),
+                        chunk({"usageMetadata": {"promptTokenCount": 5,
+                                                 "candidatesTokenCount": 2}})],
+                       every_s=0.05, forever=b": keep-alive\n\n")
+    started = time.monotonic()
+    got, deltas = await ask(port, "gemini", stream=True, timeout_s=5)
+    assert not isinstance(got, ModelError), got
+    assert got.text == "hi!" and deltas == ["hi", "!"]
+    assert got.usage.input_tokens == 5 and got.usage.output_tokens == 2
+    assert time.monotonic() - started < 3
+
+
 async def test_parallel_calls_streamed_without_an_index_stay_apart(
         server: tuple[RawServer, int]) -> None:
     # Some compatible servers send each call whole, one per chunk, with no `index`: they
