@@ -53,6 +53,9 @@ def composed_prompt(system: str | None, schema: dict[str, Any]) -> str:
     return f"{system}\n\n{how}" if system else how
 
 
+_CALL_KEYS = frozenset({"_tool", "_reasoningForCall"})  # what compose_schema adds
+
+
 def read_composed(text: str, validator: Validator, *, turn_id: str, base: int,
                   emit_output: str | None, wrapped: bool
                   ) -> tuple[str, list[ModelToolCall], list[str]]:
@@ -82,7 +85,8 @@ def read_composed(text: str, validator: Validator, *, turn_id: str, base: int,
     calls: list[ModelToolCall] = []
     for raw in value.get("calls") or []:
         name = raw["_tool"]
-        arguments = {k: v for k, v in raw.items() if not k.startswith("_")}
+        # The composed schema's own keys out; a tool's parameters stay (`_id` is a name).
+        arguments = {k: v for k, v in raw.items() if k not in _CALL_KEYS}
         call_id = call_id_for(turn_id, base + len(calls))
         calls.append(ModelToolCall(call_id=call_id, id=call_id, name=name,
                                    arguments=arguments))

@@ -31,6 +31,7 @@ from schemas.events import (
     TurnFailed,
 )
 from schemas.manifest import AgentConfig, parse_manifest
+from schemas.tools import ToolSpec
 from schemas.validation import Validator
 from services.config import ActorSettings
 from services.runtime import start_planner
@@ -281,3 +282,17 @@ def test_a_composed_output_becomes_an_emit_output_call_under_output_when_wrapped
                                     turn_id="t1", base=0, emit_output=EMIT_OUTPUT,
                                     wrapped=True)
     assert none == [] and broken and broken[0].startswith("$.output")
+
+
+def test_a_composed_call_keeps_a_tool_parameter_named_with_an_underscore() -> None:
+    # Only the composed schema's own keys are taken out of a call: a tool's `_id`
+    # parameter stays (it was dropped with them, and the call refused for missing it).
+    spec = ToolSpec(name="crm:get", parameters={
+        "type": "object", "required": ["_id"], "properties": {"_id": {"type": "string"}}})
+    schema = composed_schema([spec], None, emit_output=None)
+    _, calls, violations = read_composed(
+        '{"output": null, "calls": [{"_tool": "crm:get", "_reasoningForCall": "look", '
+        '"_id": "c7"}]}', Validator(schema), turn_id="t1", base=0,
+        emit_output=None, wrapped=False)
+    assert violations == [] and [(c.name, c.arguments) for c in calls] == \
+        [("crm:get", {"_id": "c7"})]
