@@ -189,6 +189,8 @@ class MessagesStream:
     """Assembles the content blocks by `index`; tool input is the concatenation of its
     `input_json_delta` fragments, parsed at `content_block_stop`."""
 
+    open_ended = False  # see StreamDecoder
+
     def __init__(self, names: Names) -> None:
         self.names = names
         self.ended = False

@@ -233,6 +233,8 @@ def parse(data: Any, names: Names) -> ModelResponse:
 class GenerateStream:
     """Accumulates the parts of every chunk; text parts are the deltas."""
 
+    open_ended = True  # see StreamDecoder
+
     def __init__(self, names: Names) -> None:
         self.names = names
         self.ended = False  # no end marker: read to the end of the stream

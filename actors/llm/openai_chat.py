@@ -150,6 +150,8 @@ def parse(data: Any, names: Names) -> ModelResponse:
 class ChatStream:
     """Assembles `chat.completion.chunk`s; calls are keyed by their `index`."""
 
+    open_ended = False  # see StreamDecoder
+
     def __init__(self, names: Names) -> None:
         self.names = names
         self.ended = False

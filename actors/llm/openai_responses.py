@@ -165,6 +165,8 @@ class ResponsesStream:
     """Assembles the typed events; the output items are keyed by `output_index`, and the
     final `response` object, when it lists them, is the authority."""
 
+    open_ended = False  # see StreamDecoder
+
     def __init__(self, names: Names) -> None:
         self.names = names
         self.ended = False

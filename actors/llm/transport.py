@@ -53,10 +53,12 @@ _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 class StreamDecoder(Protocol):
     """Assembles one API's event stream into a reply. `feed` returns the text delta the
     event carries ("" if none) and raises `ModelError` for an error event; `ended` is set by
-    the API's last event (read no further); `complete` once the reply is whole."""
+    the API's last event (read no further); `complete` once the reply is whole;
+    `open_ended` for an API whose stream has no last event (it ends with the body)."""
 
     ended: bool
     complete: bool
+    open_ended: bool
 
     def feed(self, event: str, data: str) -> str: ...
 
@@ -356,7 +358,8 @@ async def _events(response: httpx.Response, provider: str,
     if "text/event-stream" not in media:
         raise SSEError("Expected response header Content-Type to contain "
                        f"'text/event-stream', got {media!r}")
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # utf-8-sig: a byte order mark at the start is not part of the first field (the spec).
+    text = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
     size = 0
     line: list[str] = []  # the line read so far
     cr = False  # the last piece ended with CR: an LF first in the next one belongs to it
@@ -401,7 +404,10 @@ async def _settled(events: AsyncIterator[tuple[str, str]], decoder: StreamDecode
     while True:
         quiet: asyncio.Timeout | None = None
         try:
-            if decoder.complete and not decoder.ended:
+            # Only for an API with no last event: one that has one (Chat Completions'
+            # `[DONE]`) may still send what belongs to the reply after it is complete
+            # (the usage, after the chunk with `finish_reason`), however slowly.
+            if decoder.open_ended and decoder.complete and not decoder.ended:
                 async with asyncio.timeout(_DRAIN_S) as quiet:
                     item = await anext(iterator)
             else:
