@@ -39,7 +39,7 @@ from schemas.events import (
     TurnRequested,
 )
 from schemas.ids import check_session_id, client_request_id, tool_event_id, turn_id_for
-from schemas.requests import parse_tool_event
+from schemas.requests import MAX_REQUEST_ID_CHARS, parse_tool_event
 from schemas.state import SessionState, decode_state, fold
 
 TurnEnd = TurnCompleted | TurnFailed | TurnCancelled | RequestRejected
@@ -207,6 +207,12 @@ class ToolbusClient:
         from the object store too (`result` then holds them)."""
         check_session_id(session_id)
         request_id = request_id or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            # The session actor would refuse it without naming it, so nothing would ever
+            # answer this request: refused here, before anything is published.
+            raise InvalidRequestError(
+                "invalid_request", f"request_id is longer than {MAX_REQUEST_ID_CHARS} "
+                f"characters ({len(request_id)})")
         request: dict[str, Any] = {"request_id": request_id}
         if message is not None:
             request["message"] = message

@@ -61,6 +61,8 @@ MAX_THINK_INSTRUCTION_CHARS: Final = 8000
 META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance",
                       "_transform")
 MAX_TRANSFORM_CHARS: Final = 1000
+# A longer request id is refused without being stored (its rejection names no request).
+MAX_REQUEST_ID_CHARS: Final = 256
 _KNOWN_CALL_KEYS: Final = frozenset({"tool", "arguments", *META_FIELDS})
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -97,8 +99,9 @@ def parse_request(
                 "invalid_request",
                 f"request_id must be a non-empty string, got {_json_type(request_id)}",
             )
-        if len(request_id) > 256:
-            raise InvalidRequestError("invalid_request", "request_id is longer than 256 characters")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("invalid_request", "request_id is longer than "
+                                      f"{MAX_REQUEST_ID_CHARS} characters")
         if request_id.startswith((AUTO_REQUEST_PREFIX, TOOL_EVENT_PREFIX)):
             raise InvalidRequestError(
                 "invalid_request",

@@ -782,16 +782,21 @@ async def _call(url: str, args: argparse.Namespace) -> int:
     finally:
         await bus.close()
     if isinstance(end, RequestRejected):
-        print(f"toolbus: request rejected ({end.reason}): {end.message}", file=sys.stderr)
+        print(f"toolbus: request rejected ({end.reason}): {_printable(end.message)}",
+              file=sys.stderr)
         return EXIT_CALL_FAILED
     if isinstance(end, TurnCompleted) and outcome is not None and outcome.status == "succeeded":
         sys.stdout.write(_json.encode(outcome.result).decode() + "\n")
         return EXIT_OK
     if outcome is not None and outcome.error is not None:
-        print(f"toolbus: {args.tool} {outcome.status} ({outcome.error.error_type}): "
-              f"{outcome.error.message}", file=sys.stderr)
+        # The text of a tool, an MCP server or an approver's reason: no escape sequence
+        # reaches the caller's terminal from it.
+        print(f"toolbus: {_printable(args.tool)} {outcome.status} "
+              f"({_printable(outcome.error.error_type)}): {_printable(outcome.error.message)}",
+              file=sys.stderr)
     elif isinstance(end, TurnFailed):
-        print(f"toolbus: turn failed ({end.reason}): {end.message}", file=sys.stderr)
+        print(f"toolbus: turn failed ({end.reason}): {_printable(end.message)}",
+              file=sys.stderr)
     return EXIT_CALL_FAILED
 
 
@@ -1095,6 +1100,6 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
     if answer.get("ok"):
         print(f"{args.call_id}: {answer.get('decision')}", file=sys.stderr)
         return EXIT_OK
-    print(f"toolbus: {answer.get('error')}", file=sys.stderr)
+    print(f"toolbus: {_printable(answer.get('error'))}", file=sys.stderr)
     return EXIT_CALL_FAILED
 

@@ -4,6 +4,7 @@ pipe. Each ends with one clear line and its exit code, never a traceback or a ha
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import uuid
@@ -217,3 +218,28 @@ def test_a_tools_module_that_exits_on_import_does_not_end_toolbus_quietly(
     assert out.returncode == 2, out.stderr
     assert _one_clear_line(out) == f"toolbus: --tools {bad}: it called sys.exit(0) while " \
         "it was imported"
+
+
+async def test_a_request_id_over_its_limit_is_refused_at_once_not_waited_for(
+        client, nats_url: str) -> None:
+    # The session actor refuses it without naming it (it is too long to store), so no
+    # answer could ever match: `toolbus call` used to wait out its whole --timeout, then
+    # ask whether toolbus was running.
+    out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"text": "hi"}',
+                                  "--request-id", "k" * 257, "--timeout", "30",
+                                  "--nats", nats_url, timeout=20)
+    assert out.returncode == 2, out.stderr
+    assert "request_id is longer than 256 characters (257)" in _one_clear_line(out)
+
+
+async def test_call_prints_a_tools_error_without_its_escape_sequences(
+        client, nats_url: str) -> None:
+    # A tool's (an MCP server's, an approver's) text must not drive the terminal of the
+    # person who called it, as `toolbus chat` and `toolbus replay` already ensure.
+    reason = "no\x1b[2J\x1b]0;owned\x07 way\u202e"
+    out = await asyncio.to_thread(run_toolbus, "call", "testing:refuse",
+                                  json.dumps({"reason": reason}), "--nats", nats_url)
+    assert out.returncode == 1, out.stderr
+    line = _one_clear_line(out)
+    assert line == "toolbus: testing:refuse failed (refused): no[2J]0;owned way", line
+
