@@ -260,6 +260,10 @@ def read_role_url(data_dir: Path, role: str) -> str | None:
     except OSError as exc:
         raise ConfigError(f"cannot read the {role} credentials in {data_dir}/auth: "
                           f"{exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"the {role} credentials in {data_dir}/auth/{role}.url are not "
+                          "UTF-8 text: restore the file, or remove it and start `toolbus "
+                          "up` again") from None
     return text or None
 
 

@@ -87,9 +87,12 @@ class ActorSettings:
 def load_manifest(path: Path) -> Manifest:
     """Read and validate a manifest, resolving `${VAR}` from this process's environment."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ManifestError(str(path), [f"cannot read it: {exc.strerror}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ManifestError(str(path), [f"not UTF-8 text: byte {exc.object[exc.start]:#04x} "
+                                        f"at offset {exc.start}"]) from None
     base = path.resolve().parent
     manifest = parse_manifest(text, env=os.environ, path=str(path))
     return with_base_dir(manifest, lambda p: str(base / Path(p).expanduser()))

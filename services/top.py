@@ -224,14 +224,17 @@ def read_token(path: Path | None, data_dir: Path) -> str | None:
     """The bearer token: `--token-file`, else the client's in the data dir, if any."""
     if path is not None:
         try:
-            return path.read_text().strip()
+            return path.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise TopError(f"cannot read --token-file {path}: {exc.strerror or exc}",
                            EXIT_USAGE) from exc
+        except UnicodeDecodeError:
+            raise TopError(f"--token-file {path} is not a token (not UTF-8 text): give "
+                           "<data-dir>/auth/<role>.token", EXIT_USAGE) from None
     default = data_dir / "auth" / "client.token"
     try:
-        return default.read_text().strip()
-    except OSError:
+        return default.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
         return None
 
 

@@ -243,3 +243,21 @@ async def test_call_prints_a_tools_error_without_its_escape_sequences(
     line = _one_clear_line(out)
     assert line == "toolbus: testing:refuse failed (refused): no[2J]0;owned way", line
 
+
+def test_files_that_are_not_utf8_are_one_line_errors_not_tracebacks(tmp_path: Path) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_bytes(b"version: 1\ntools:\n  builtins: [\"\xff\"]\n")
+    out = run_toolbus("up", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"),
+                      "--manifest", str(manifest), "--workers", "1")
+    assert out.returncode == 2, out.stderr
+    assert _one_clear_line(out) == "  not UTF-8 text: byte 0xff at offset 32"
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe")
+    out = run_toolbus("top", "--once", "--token-file", str(token))
+    assert out.returncode == 2, out.stderr
+    assert "is not a token (not UTF-8 text)" in _one_clear_line(out)
+    (tmp_path / "d2" / "auth").mkdir(parents=True)
+    (tmp_path / "d2" / "auth" / "client.url").write_bytes(b"nats://client:\xff@127.0.0.1:1")
+    out = run_toolbus("tools", "--data-dir", str(tmp_path / "d2"))
+    assert out.returncode == 2, out.stderr
+    assert "client.url are not UTF-8 text" in _one_clear_line(out)
