@@ -665,9 +665,15 @@ class SessionStates:
             if not items:
                 return True
             try:
-                await self.write(entry, items)
+                results = await self.write(entry, items)
             except ConcurrencyError:
                 await self.reread(entry)
+                continue
+            if all(r.duplicate for r in results):
+                # All of it is stored already, under the same message ids: a decision the
+                # state keeps no trace of (a refusal) would only be written again, and
+                # again, until the attempts ran out and the message was redelivered.
+                return True
         return False
 
 

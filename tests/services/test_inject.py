@@ -433,5 +433,10 @@ async def test_without_a_planner_trigger_processing_is_refused_and_the_rest_work
                                      "1", "--key", "cli-2", "--data-dir", str(data))
         assert ok.returncode == 0, ok.stderr
         assert "(new)" in ok.stdout
+        # A refusal is stored once and its message acknowledged: not written again until
+        # the attempts run out, redelivered and logged as a conflict (the backoff of those
+        # redeliveries would be over by now).
+        await asyncio.sleep(2.5)
     finally:
         assert up.stop() == 0
+    assert "kept conflicting" not in up.stderr_after_exit(), up.stderr_tail
