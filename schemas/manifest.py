@@ -877,9 +877,31 @@ def with_base_dir(manifest: Manifest, join: Callable[[str], str]) -> Manifest:
     return manifest.model_copy(update={"tools": t.model_copy(update=changes), "mcps": mcps})
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key written twice in one mapping is an error: the
+    plain loader keeps the last and drops the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: what it brings may be overridden, as YAML says
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"found the key {key!r} a second time (the first would be ignored)",
+                        key_node.start_mark)
+                seen.add(key)
+            except TypeError:
+                pass  # an unhashable key: the safe loader names it
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest") -> Manifest:
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no Python objects
     except yaml.YAMLError as exc:
         raise ManifestError(path, [f"not valid YAML: {exc}"]) from exc
     if raw is None:

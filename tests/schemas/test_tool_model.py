@@ -189,6 +189,19 @@ tools:
         parse_manifest("tools: [", env={})
 
 
+def test_a_key_written_twice_is_an_error_naming_it_not_the_first_dropped() -> None:
+    # PyYAML alone keeps the last `builtins` and serves echo no more, without a word.
+    twice = "version: 1\ntools:\n  builtins: [echo]\n  builtins: [current_time]\n"
+    with pytest.raises(ManifestError, match=r"found the key 'builtins' a second time") as err:
+        parse_manifest(twice, env={})
+    assert "line 4, column 3" in str(err.value)
+    # A merge key may still be overridden, as YAML means it.
+    merged = parse_manifest("version: 1\ntools:\n  http:\n"
+                            "    - &t {name: 'a:b', base_url: 'http://127.0.0.1:1'}\n"
+                            "    - {<<: *t, name: 'a:c'}\n", env={})
+    assert [t.name for t in merged.tools.http] == ["a:b", "a:c"]
+
+
 # --- provider formats ------------------------------------------------------------------------
 
 _part = st.from_regex(r"[A-Za-z0-9_-]{1,40}", fullmatch=True)
