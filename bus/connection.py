@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections import deque
@@ -127,8 +126,17 @@ class Bus:
             try:
                 await self.nc.drain()
             except Exception:  # closing is best-effort once the server is gone
-                with contextlib.suppress(Exception):  # uvloop: "handler is closed"
+                try:
                     await self.nc.close()
+                except asyncio.CancelledError:
+                    # A server that stopped answering mid-read: nats-py's close can end
+                    # in the cancellation of its own socket's close waiter. Only a
+                    # cancellation of this task goes on.
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
+                except Exception:  # uvloop: "handler is closed"
+                    pass
 
 
 async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:

@@ -162,3 +162,41 @@ async def test_a_request_the_stream_never_acknowledges_is_named_as_such(tmp_path
         await bus.close()
     finally:
         server.stop()
+
+
+async def test_closing_once_the_server_stopped_answering_raises_no_cancellation(
+        nats_server: EmbeddedServer) -> None:
+    # A server stopped mid-read (SIGSTOP, a wedged host): the drain times out, and nats-py's
+    # close then ended, now and then, in the cancellation of its own socket's close waiter,
+    # which escaped every command as a traceback instead of "NATS did not answer in time".
+    import nats.errors
+
+    async def drain() -> None:
+        raise nats.errors.FlushTimeoutError
+
+    b = await connect(nats_server.url_for("client"), name="t")
+    real_close = b.nc.close
+
+    async def close_cancelled() -> None:
+        await real_close()
+        raise asyncio.CancelledError
+
+    b.nc.drain = drain  # type: ignore[method-assign]
+    b.nc.close = close_cancelled  # type: ignore[method-assign]
+    await b.close()
+    assert b.nc.is_closed
+    # A cancellation of the closing task itself still goes through.
+    b = await connect(nats_server.url_for("client"), name="t")
+    real_close = b.nc.close
+
+    async def close_slowly() -> None:
+        await asyncio.sleep(30)
+
+    b.nc.drain = drain  # type: ignore[method-assign]
+    b.nc.close = close_slowly  # type: ignore[method-assign]
+    task = asyncio.ensure_future(b.close())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await real_close()
