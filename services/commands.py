@@ -740,7 +740,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
 async def _call(url: str, args: argparse.Namespace) -> int:
     from bus.artifacts import ArtifactStore
     from bus.client import ToolbusClient
-    from schemas.requests import json_error
+    from schemas.requests import MAX_REQUEST_ID_CHARS, json_error
 
     try:
         arguments: Any = msgspec.json.decode(args.arguments)
@@ -750,6 +750,11 @@ async def _call(url: str, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     session = check_session_id(args.session) if args.session is not None else \
         f"cli-{uuid.uuid4().hex[:12]}"
+    if args.request_id is not None and len(args.request_id) > MAX_REQUEST_ID_CHARS:
+        # Before connecting: a usage error, server or not.
+        print(f"toolbus: --request-id is longer than {MAX_REQUEST_ID_CHARS} characters "
+              f"({len(args.request_id)})", file=sys.stderr)
+        return EXIT_USAGE
     bus = await connect(url, name="toolbus-call")
     try:
         print(f"session: {session}", file=sys.stderr)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bus.server import free_port
+from schemas.errors import InvalidRequestError
 from schemas.events import TurnCompleted
 from tests.conftest import REPO, run_toolbus, toolbus_cmd
 
@@ -229,7 +230,15 @@ async def test_a_request_id_over_its_limit_is_refused_at_once_not_waited_for(
                                   "--request-id", "k" * 257, "--timeout", "30",
                                   "--nats", nats_url, timeout=20)
     assert out.returncode == 2, out.stderr
-    assert "request_id is longer than 256 characters (257)" in _one_clear_line(out)
+    assert "--request-id is longer than 256 characters (257)" in _one_clear_line(out)
+    # Server or not.
+    out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", "{}", "--request-id",
+                                  "k" * 300, "--nats", f"nats://127.0.0.1:{free_port()}")
+    assert out.returncode == 2, out.stderr
+    # The library's client refuses it too, before publishing anything.
+    with pytest.raises(InvalidRequestError, match="request_id is longer than 256"):
+        await client.call(f"t-{uuid.uuid4().hex[:8]}", [{"tool": "built-in:echo"}],
+                          request_id="k" * 257, timeout=5)
 
 
 async def test_call_prints_a_tools_error_without_its_escape_sequences(
