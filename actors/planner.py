@@ -718,11 +718,19 @@ def _with_turn_unique_ids(turn: TurnState, calls: list[ModelToolCall]
     or gives none (the transport makes one up from the reply, perhaps the same), would
     repeat them; such an id is replaced by one made from the turn's own call id."""
     used = {c.id for step in turn.steps for c in step.tool_calls}
+    # The Responses API's item ids (`fc_...`) go back too, and are optional when sent:
+    # one an earlier call of the turn has is left out.
+    items = {c.extra.get("id") for step in turn.steps for c in step.tool_calls}
     out = []
     for call in calls:
         if call.id in used:
             call = msgspec.structs.replace(call, id=stable_id("call", call.call_id, call.id))
+        item = call.extra.get("id")
+        if isinstance(item, str) and item in items:
+            call = msgspec.structs.replace(
+                call, extra={k: v for k, v in call.extra.items() if k != "id"})
         used.add(call.id)
+        items.add(item)
         out.append(call)
     return out
 
@@ -917,7 +925,10 @@ class _Window:
         if budget is None or self.chars <= budget:
             return False
         floor = int(budget * _HISTORY_REFILL)
-        while self._sizes and self.chars > floor:
+        # The newest exchange stays while it fits the budget alone (it may be over the
+        # refill share): the model reads at least what was said last.
+        while self._sizes and self.chars > floor and \
+                (len(self._sizes) > 1 or self.chars > budget):
             dropped = self._sizes.popleft()
             self._groups.popleft()
             self.chars -= dropped

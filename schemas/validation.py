@@ -79,8 +79,9 @@ class Validator:
         except (ValueError, RecursionError) as exc:
             # jsonschema-rs gives up on a value nested too deeply ("Recursion limit
             # reached"): a model's arguments can be; that is a violation, not a crash.
-            return [Violation("$", f"the value cannot be checked: {exc} (nested too "
-                                   "deeply?)")]
+            why = " (nested too deeply)" if isinstance(exc, RecursionError) or \
+                "recursion" in str(exc).lower() else ""
+            return [Violation("$", f"the value cannot be checked: {exc}{why}")]
 
     def check(self, arguments: dict[str, Any]) -> tuple[dict[str, Any], list[Violation]]:
         if self._fill is not None:

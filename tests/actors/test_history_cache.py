@@ -27,7 +27,7 @@ from schemas.events import (
     TurnRequested,
 )
 from schemas.manifest import CompressionConfig
-from schemas.state import SessionState, evolve
+from schemas.state import SessionState, TurnState, evolve
 
 SID = "history-test"
 
@@ -184,3 +184,55 @@ def test_the_cut_history_is_sent_from_the_memo() -> None:
         settings = ModelSettings(provider=provider, model="m")
         assert encode(build(settings, **args, memo=memo).body) == \
             encode(build(settings, **args).body), provider
+
+
+def _exchanges(sizes: list[int]) -> tuple[SessionState, TurnState]:
+    """Ended turns whose questions are `sizes` characters long (answers: 1), then a
+    running turn asking."""
+    state = SessionState(session_id=SID)
+    seq = 0
+    for i, size in enumerate(sizes):
+        seq += 1
+        evolve(state, TurnRequested(session_id=SID, at=0.0, actor="session", turn_id=f"t{i}",
+                                    request_id=f"t{i}", call_ids=[], message="q" * size), seq)
+        seq += 1
+        evolve(state, TurnCompleted(session_id=SID, at=0.0, actor="planner", turn_id=f"t{i}",
+                                    request_id=f"t{i}", ok=True, outcomes=[], text="a"), seq)
+    evolve(state, TurnRequested(session_id=SID, at=0.0, actor="session", turn_id="now",
+                                request_id="now", call_ids=[], message="now"), seq + 1)
+    return state, state.turns["now"]
+
+
+def test_the_last_exchange_stays_while_it_fits_the_budget_alone() -> None:
+    """An exchange over the refill share (75%) but within the budget is not cut for being
+    large: the model reads at least what was said last. Over the budget alone, it goes."""
+    compression = Compression(history_chars=1000)
+    state, turn = _exchanges([300, 850])
+    read = transcript(state, turn, compression)
+    assert read == transcript(state, turn, compression, HistoryCache())
+    assert "1 earlier exchange of" in read[0].text
+    assert [len(m.text) for m in read[1:]] == [850, 1, 3]
+    state, turn = _exchanges([300, 850, 1200])
+    read = transcript(state, turn, compression)
+    assert read == transcript(state, turn, compression, HistoryCache())
+    assert "3 earlier exchanges" in read[0].text and [m.text for m in read[1:]] == ["now"]
+
+
+def test_ids_repeated_across_a_turns_replies_are_made_unique() -> None:
+    """A call id, or a Responses item id (`fc_...`), that an earlier reply of the turn
+    gave: the call id is replaced, the item id (optional when sent back) left out."""
+    from actors.planner import _with_turn_unique_ids
+    from schemas.events import ModelResponded, ModelToolCall
+
+    state, _ = _exchanges([])
+    first = ModelToolCall(call_id="k1", id="call_1", name="a:b", arguments={},
+                          extra={"id": "fc_1"})
+    evolve(state, ModelResponded(session_id=SID, at=0.0, actor="planner", turn_id="now",
+                                 iteration=1, text="", tool_calls=[first]), 9)
+    again = ModelToolCall(call_id="k2", id="call_1", name="a:b", arguments={},
+                          extra={"id": "fc_1", "status": "completed"})
+    (fixed,) = _with_turn_unique_ids(state.turns["now"], [again])
+    assert fixed.id not in ("call_1", "") and fixed.extra == {"status": "completed"}
+    fresh = ModelToolCall(call_id="k3", id="call_9", name="a:b", arguments={},
+                          extra={"id": "fc_9"})
+    assert _with_turn_unique_ids(state.turns["now"], [fresh]) == [fresh]
