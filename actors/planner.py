@@ -1296,9 +1296,13 @@ class Planner:
         settings, offered = ((self._settings, self._offered) if profile is None
                              else (profile.settings, profile.tools))
         catalog = {s.name: s for s in specs}
+        # Only what a live executor takes: a tool left in the catalog by an earlier
+        # manifest (or a server gone) would be called and wait out its whole timeout.
+        served = self._catalog.served()
         return Offer(provider=settings.provider, model=settings.model,
-                     tools=tuple(s for s in specs if offered(s)), catalog=catalog,
-                     permits=self._permits(sid, catalog))
+                     tools=tuple(s for s in specs if offered(s)
+                                 and (s.default_pool, s.namespace) in served),
+                     catalog=catalog, permits=self._permits(sid, catalog))
 
     def _permits(self, sid: str, catalog: Mapping[str, ToolSpec]
                  ) -> Callable[[str, str | None], bool]:

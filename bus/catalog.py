@@ -195,6 +195,11 @@ class Catalog:
         return any(info.pool == pool and any(t.startswith(prefix) for t in info.tools)
                    for info in self._executors.items.values())
 
+    def served(self) -> frozenset[tuple[str, str]]:
+        """The (pool, namespace) pairs some live executor takes calls of now."""
+        return frozenset((info.pool, tool.partition(":")[0])
+                         for info in self._executors.items.values() for tool in info.tools)
+
     async def wait_for_instance(self, instance: str, timeout: float = 10.0) -> None:
         """Until a live executor named `instance` is seen (after `start`)."""
         await self._executors.wait_until(lambda items: instance in items, timeout)

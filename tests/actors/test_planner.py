@@ -38,6 +38,7 @@ from schemas.events import (
     TurnCompleted,
     TurnFailed,
 )
+from schemas.tools import ToolSpec
 from tests.conftest import REPO, EventWatch, Proc
 
 
@@ -226,6 +227,30 @@ async def test_a_server_that_numbers_each_replys_calls_from_one_gets_ids_unique_
     # The second request, built before the repeat, is unchanged by it.
     assert [m.get("tool_call_id") for m in model.received[1]["messages"]
             if m["role"] == "tool"] == ["call_1"]
+
+
+async def test_a_tool_no_live_executor_takes_is_not_offered(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    # A tool an earlier manifest left in the catalog (found by a new-user pass): offered,
+    # the model called it and the call waited out its whole timeout (10 min for MCP).
+    catalog = system["catalog"]
+    await catalog.register([ToolSpec(name="gone:lookup", source="mcp", parameters={
+        "type": "object", "properties": {}})])
+    await catalog._specs.wait_until(lambda items: "gone.lookup" in items, 5)
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    p = Planner(bus, catalog, settings, instructions="Be brief.")
+    await p.start()
+    try:
+        model.script = [(200, reply("Nothing to call."))]
+        end = await client.ask(sid, "Look it up.")
+    finally:
+        await p.stop()
+        await catalog.remove("gone:lookup")
+    assert isinstance(end, TurnCompleted), end
+    offered = {t["function"]["name"] for t in model.received[0]["tools"]}
+    assert "built-in__echo" in offered and "gone__lookup" not in offered
 
 
 async def test_a_turn_accepted_but_slow_times_out_saying_so_not_blaming_the_server(
