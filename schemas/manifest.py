@@ -899,6 +899,27 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_MANIFEST_VALUES = 200_000  # values of a manifest with its aliases expanded, at most
+
+
+def _expanded_over(value: Any, limit: int) -> bool:
+    """Whether `value`, walked as a tree (an alias once per use), has over `limit` values;
+    stops counting there."""
+    seen = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest") -> Manifest:
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no Python objects
@@ -908,6 +929,11 @@ def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest")
         raw = {}
     if not isinstance(raw, dict):
         raise ManifestError(path, [f"(top level): expected a mapping, got {type(raw).__name__}"])
+    if _expanded_over(raw, MAX_MANIFEST_VALUES):
+        # YAML aliases share one value: a few lines of anchors can stand for billions.
+        raise ManifestError(path, [f"(top level): the manifest expands to over "
+                                   f"{MAX_MANIFEST_VALUES:,} values (YAML anchors and "
+                                   "aliases nested in each other?)"])
     problems = literal_secrets(raw)
     resolved = resolve_vars(raw, env, [], problems)
     if problems:

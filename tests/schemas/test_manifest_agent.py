@@ -355,3 +355,18 @@ def test_the_history_budget_is_the_default_a_number_or_none() -> None:
     assert budget("") == DEFAULT_MAX_HISTORY_CHARS == 200_000
     assert budget("agent_config: {context: {max_history_chars: 30000}}") == 30_000
     assert budget("agent_config: {context: {max_history_chars: null}}") is None
+
+
+def test_a_manifest_of_aliases_nested_in_each_other_is_refused_at_once() -> None:
+    # Nine levels of nine aliases each: 387 million values from 400 bytes (found by a
+    # new-user pass: 22 s of CPU before the errors came, nine times more per level).
+    import time
+
+    lines = ['a0: &a0 ["x"]']
+    for i in range(1, 10):
+        prev = f"*a{i - 1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 9)}]")
+    started = time.monotonic()
+    message = problems_of("\n".join(lines))
+    assert "expands to over 200,000 values" in message
+    assert time.monotonic() - started < 2
