@@ -1072,6 +1072,9 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
     if args.command == "approve" and args.note:
         body["note"] = args.note
     if args.command == "deny":
+        if not args.reason.strip():
+            print("toolbus: --reason must say why (the model reads it)", file=sys.stderr)
+            return EXIT_USAGE
         body["reason"] = args.reason
     if not is_token(args.call_id):
         print(f"toolbus: invalid call id {args.call_id!r}: `toolbus approvals` lists the "

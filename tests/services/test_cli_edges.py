@@ -47,6 +47,7 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("tools", "show"), "tools show needs a NAME"),
     (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
     (("deny", "", "--reason", "no"), "invalid call id ''"),
+    (("deny", "c1", "--reason", " "), "--reason must say why"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
                                             tmp_path: Path) -> None:
