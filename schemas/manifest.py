@@ -34,6 +34,7 @@ Pure: the caller passes the text and the environment in.
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Annotated, Any, Literal
@@ -53,6 +54,7 @@ from pydantic import (
 from schemas.errors import InvalidIdError, ManifestError
 from schemas.ids import check_namespace, split_tool_name
 from schemas.policy import DEFAULT_AGENT, DEFAULT_SIDE_EFFECT_PATTERNS, Policy
+from schemas.requests import json_values
 from schemas.tools import DEFAULT_POOL
 
 HttpMethod = Literal["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"]
@@ -905,19 +907,7 @@ MAX_MANIFEST_VALUES = 200_000  # values of a manifest with its aliases expanded,
 def _expanded_over(value: Any, limit: int) -> bool:
     """Whether `value`, walked as a tree (an alias once per use), has over `limit` values;
     stops counting there."""
-    seen = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        seen += 1
-        if seen > limit:
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+    return any(True for _ in itertools.islice(json_values(value), limit, limit + 1))
 
 
 def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest") -> Manifest:

@@ -18,6 +18,7 @@ that was wrong, in words an LLM or a person can act on.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, Final
 
 import msgspec
@@ -269,6 +270,20 @@ def decode_json(data: bytes, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> A
         raise InvalidRequestError("nested_too_deep", f"{what} nests deeper than "
                                   f"{max_depth} levels")
     return body
+
+
+def json_values(value: Any) -> Iterator[Any]:
+    """Every value in decoded JSON, containers, keys and the values inside included, each
+    time it is used (a YAML alias is walked once per use), without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        yield item
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def json_depth(value: Any, limit: int) -> int:

@@ -29,7 +29,7 @@ from actors.llm.retry import clip, http_error, redact
 from actors.llm.types import ModelResponse
 from schemas.defaults import MAX_JSON_DEPTH
 from schemas.errors import ModelError
-from schemas.requests import INVISIBLE, json_depth
+from schemas.requests import INVISIBLE, json_depth, json_values
 
 ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving up on it
 # What a provider may send in one reply, body or stream, before it is refused: a broken or
@@ -183,16 +183,7 @@ def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> 
 def _strings(value: Any) -> Iterator[str]:
     """Every string in a JSON-like value, keys included (as decoded: JSON's escapes
     would hide a control character inside the key)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+    return (item for item in json_values(value) if isinstance(item, str))
 
 
 class _KeyGuard:
