@@ -6,6 +6,12 @@ speak NATS. Every route is a thin mapping onto the bus; nothing here holds state
                                        event_id, seq, turn_id} | 200 the same ids, its
                                        idempotency_key seen before | 400/413 bad body,
                                        nothing published | 409 refused (no planner)
+    POST /sessions/{sid}/requests?stream=1
+                                       the same, answered with the turn's events as
+                                       server-sent events, ending with its end
+    GET  /sessions/{sid}/events        server-sent events: the stored events after
+                                       `?after=` (or `Last-Event-ID`), then the live ones;
+                                       `?turn=` one turn's, ending with its end
     GET  /sessions/{sid}/state         the session actor's live state (`?full=1`: results
                                        stored by reference put back in)
     GET  /approvals                    calls waiting for a human
@@ -44,7 +50,7 @@ import hmac
 import logging
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
 
@@ -58,7 +64,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus.approvals import ApprovalStore
@@ -72,7 +78,7 @@ from schemas.errors import (
     RpcError,
     ToolbusError,
 )
-from schemas.ids import TOKEN_RULE, check_session_id, is_token
+from schemas.ids import TOKEN_RULE, check_session_id, is_token, turn_id_for
 from schemas.policy import HumanDecision, PendingApproval
 from schemas.requests import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -83,6 +89,7 @@ from schemas.requests import (
     parse_tool_event,
 )
 from schemas.state import SessionState, encode_state
+from services.event_stream import SessionStream, frame
 
 log = logging.getLogger("toolbus.gateway")
 
@@ -94,6 +101,8 @@ MAX_BODY: Final = 256 * 1024
 HEAD_TIMEOUT_S: Final = 10.0
 BODY_TIMEOUT_S: Final = 30.0
 MAX_CONNECTIONS: Final = 512
+# Event streams (server-sent events) open at once; more are refused (503).
+MAX_STREAMS: Final = 256
 ROLES: Final = ("client", "approver", "admin")
 # Loopback names only: a browser reaching the gateway under any other name came through
 # someone else's DNS.
@@ -478,7 +487,15 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _on_invalid(request: Request, exc: Exception) -> Response:
-    return _error(400, str(exc))
+    """A parameter of the wrong shape: named, with what it must be (not pydantic's dump,
+    which quotes the route's source file and line)."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    said = []
+    for error in errors[:5]:
+        loc = [str(part) for part in error.get("loc", ())]
+        where = ".".join(loc[1:]) or ".".join(loc) or "the request"
+        said.append(f"{where}: {str(error.get('msg', 'invalid')).lower()}")
+    return _error(400, "; ".join(said) or "the request is not valid")
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
@@ -542,6 +559,95 @@ def guarded_protocol() -> type:
     return Guarded
 
 
+# --- event streams ------------------------------------------------------------------------
+
+
+def _flag(value: str | None, name: str) -> bool | Response:
+    if value is None or value.lower() in ("0", "false"):
+        return False
+    if value.lower() in ("1", "true"):
+        return True
+    return _error(400, f"?{name}= takes 1 or true (or 0, false)")
+
+
+class _Streams:
+    """The event streams open, bounded: each holds a connection and a subscription."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open_now = 0
+        self._streams: set[SessionStream] = set()
+        self._ending = False
+
+    def end_all(self) -> None:
+        """End every stream open (each with an `error` event, `stopping`), and refuse new
+        ones: the gateway is stopping."""
+        self._ending = True
+        for stream in self._streams:
+            stream.end()
+
+    async def open(self, stream: SessionStream,
+                   first: Callable[[SessionStream], Awaitable[bytes]] | None = None
+                   ) -> Response:
+        """The SSE answer of `stream`; `first` (called once it is subscribed) gives its
+        first event."""
+        if self._ending:
+            return _error(503, "the gateway is stopping")
+        if self.open_now >= self.limit:
+            return _error(503, f"{self.limit} event streams are open, the most this "
+                               "gateway serves: close one, or try again later")
+        self.open_now += 1
+        self._streams.add(stream)
+        try:
+            await stream.open()
+            head = await first(stream) if first is not None else b""
+        except BaseException as exc:
+            self._closed(stream)
+            await stream.close()
+            if isinstance(exc, ToolbusError):
+                return _error(503, str(exc))
+            raise
+        return _EventStreamResponse(stream, head, self._closed)
+
+    def _closed(self, stream: SessionStream) -> None:
+        self.open_now -= 1
+        self._streams.discard(stream)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events; the stream is closed however the answer ends, including when
+    the reader left before its first byte (the body is then never iterated)."""
+
+    def __init__(self, stream: SessionStream, head: bytes,
+                 closed: Callable[[SessionStream], None]) -> None:
+        self._stream = stream
+        self._on_closed = closed
+        super().__init__(self._body(head), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _body(self, head: bytes) -> AsyncIterator[bytes]:
+        if head:
+            yield head
+        try:
+            async for chunk in self._stream.frames():
+                yield chunk
+        except Exception as exc:  # the top of this answer: said to the reader, and ended
+            mapped = exc if isinstance(exc, ToolbusError) else as_bus_error(exc)
+            if mapped is None:
+                log.error("gateway: an event stream failed", exc_info=exc)
+            yield frame("error", msgspec.json.encode(
+                {"code": "unavailable", "error": f"{mapped}; reconnect later with "
+                 f"Last-Event-ID {self._stream.last}"} if mapped is not None else
+                {"code": "internal", "error": "the stream failed (the gateway logged why)"}))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_closed(self._stream)
+            await self._stream.close()
+
+
 # --- the app ------------------------------------------------------------------------------
 
 
@@ -559,6 +665,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
     origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
     client = ToolbusClient(bus)
     approvals = ApprovalStore(bus)
+    streams = _Streams(MAX_STREAMS)
 
     app = _Gateway(
         title="toolbus HTTP gateway", version="1",
@@ -570,15 +677,23 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                             RequestValidationError: _on_invalid,
                             Exception: _on_unexpected})
     app.state.tokens = known
+    app.state.streams = streams
 
     @app.post("/sessions/{sid}/requests", status_code=202, response_model=Accepted,
               summary="Submit a request", openapi_extra=_body("ToolRequest"),
               responses=_failures(403, 413, 415, 503))
-    async def submit(sid: Sid, request: Request, role: AnyRole) -> Response:
+    async def submit(sid: Sid, request: Request, role: AnyRole, stream: Annotated[
+            str | None, Query(description="1 or true: answer with the turn's events as "
+                              "server-sent events (as GET /sessions/{sid}/events?turn=), "
+                              "the first `request.accepted`, the last the turn's end")
+            ] = None) -> Response:
         try:
             check_session_id(sid)
         except InvalidIdError as exc:
             return _error(400, str(exc))
+        streamed = _flag(stream, "stream")
+        if isinstance(streamed, Response):
+            return streamed
         body, parsed = await _json_body(request)
         if is_tool_event(body):
             return JSONResponse({"ok": False, "code": "invalid_request", "error": (
@@ -603,12 +718,60 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 body = msgspec.json.encode(parsed)
         # Anything else wrong with the body becomes a stored `request.rejected`, exactly
         # as for a NATS client.
+        if not streamed:
+            try:
+                sub = await client.submit(sid, body, request_id=request_id)
+            except ToolbusError as exc:
+                return _error(503, str(exc))
+            return JSONResponse({"ok": True, "request_id": request_id,
+                                 "turn_id": sub.turn_id, "duplicate": sub.duplicate},
+                                status_code=202)
+        # Watching before submitting, from the log's end then: nothing of the turn can be
+        # stored before the stream sees it.
+        turn_id = turn_id_for(request_id)
         try:
-            sub = await client.submit(sid, body, request_id=request_id)
+            after = await client.log.last_seq_of(sid)
         except ToolbusError as exc:
             return _error(503, str(exc))
-        return JSONResponse({"ok": True, "request_id": request_id, "turn_id": sub.turn_id,
-                             "duplicate": sub.duplicate}, status_code=202)
+
+        async def submitted(watch: SessionStream) -> bytes:
+            sub = await client.submit(sid, body, request_id=request_id)
+            if sub.duplicate:
+                watch.restart(0)  # sent before: its turn is in the log, read from the start
+            return frame("request.accepted", msgspec.json.encode({
+                "ok": True, "request_id": request_id, "turn_id": sub.turn_id,
+                "duplicate": sub.duplicate}))
+
+        return await streams.open(SessionStream(bus, sid, after=after, turn_id=turn_id),
+                                  submitted)
+
+    @app.get("/sessions/{sid}/events", summary="A session's events, as server-sent events",
+             responses={200: {"content": {"text/event-stream": {"schema": {
+                 "type": "string"}}}, "description": "`id` the stream sequence, `event` "
+                 "the event's type, `data` its JSON; `model.delta` (live text, not stored) "
+                 "has no id; `error` (the bus unavailable, the gateway stopping) ends it; "
+                 "`: keep-alive` comments every 15 s while quiet"},
+                 **_failures(403, 503)})
+    async def events(sid: Sid, request: Request, role: AnyRole,
+                     after: Annotated[int | None, Query(
+                         ge=0, description="start after this stream sequence (default 0: "
+                         "the whole session); a `Last-Event-ID` header wins")] = None,
+                     turn: Annotated[str | None, Query(
+                         description="only this turn's events; the stream ends with its "
+                         "end")] = None) -> Response:
+        try:
+            check_session_id(sid)
+            if turn is not None and not is_token(turn):
+                raise InvalidIdError("turn id", turn, TOKEN_RULE)
+        except InvalidIdError as exc:
+            return _error(400, str(exc))
+        resume = request.headers.get("last-event-id")
+        if resume is not None:
+            if not (resume.isascii() and resume.isdigit() and len(resume) <= 20):
+                return _error(400, "Last-Event-ID is not an event id of this stream (a "
+                                   "stream sequence, as its `id:` lines give)")
+            after = int(resume)
+        return await streams.open(SessionStream(bus, sid, after=after or 0, turn_id=turn))
 
     @app.post("/sessions/{sid}/tool_events", status_code=201, response_model=Injected,
               summary="Inject a tool event", openapi_extra=_body("ToolEvent"),

@@ -463,6 +463,9 @@ class _Gateway:
         self.task = task
 
     async def stop(self) -> None:
+        # Event streams never end by themselves: ended first, so that the server's
+        # shutdown finds their answers complete instead of cancelling them mid-way.
+        self.server.config.app.state.streams.end_all()
         self.server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.task, 5)

@@ -322,6 +322,7 @@ async def test_openapi_json_documents_every_route_with_its_schemas(web: Web) -> 
     doc = got.json()
     assert {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops} == {
         ("POST", "/sessions/{sid}/requests"), ("GET", "/sessions/{sid}/state"),
+        ("GET", "/sessions/{sid}/events"),
         ("POST", "/sessions/{sid}/tool_events"),
         ("GET", "/approvals"), ("POST", "/approvals/{sid}/{call_id}"),
         ("GET", "/openapi.json"), ("GET", "/metrics"), ("GET", "/healthz")}
