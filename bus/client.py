@@ -17,6 +17,7 @@ from bus import trace
 from bus.artifacts import ArtifactStore
 from bus.connection import Bus
 from bus.eventlog import EventLog, decode_stored
+from bus.feed import SessionFeed
 from bus.headers import Header
 from bus.rpc import check_reply
 from bus.subjects import (
@@ -274,6 +275,19 @@ class ToolbusClient:
             watcher.waiting.pop(turn_id, None)
             for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
                 del watcher.results[call_id]
+
+    def follow(self, session_id: str, *, after: int = 0, turn_id: str | None = None
+               ) -> SessionFeed:
+        """A session's events after stream sequence `after`, then each one as it is
+        stored, with the model's text deltas; with `turn_id`, that turn's only, ending
+        with its end (bus/feed.py):
+
+            async with client.follow(sid, turn_id=end.turn_id) as feed:
+                async for item in feed.items():  # None: nothing came for a while
+                    ...
+        """
+        return SessionFeed(self.bus, check_session_id(session_id), after=after,
+                           turn_id=turn_id)
 
     @property
     def watched_sessions(self) -> list[str]:

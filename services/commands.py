@@ -18,7 +18,7 @@ try:
     from collections.abc import Sequence
     from datetime import UTC, datetime
     from pathlib import Path
-    from typing import TYPE_CHECKING, Any
+    from typing import TYPE_CHECKING, Any, Final
 
     import msgspec
 
@@ -26,7 +26,7 @@ try:
     # commands import their modules inside, so a short command starts fast.
     from bus.auth import read_role_url
     from bus.connection import Bus, as_bus_error, connect
-    from bus.eventlog import EventLog
+    from bus.eventlog import EventLog, StoredEvent, decode_stored
     from bus.subjects import DEFAULT_PARTITIONS, approval_subject
     from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
     from schemas.errors import (
@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "timeline prints; not a count of the session's events)")
     p.add_argument("--full", action="store_true",
                    help="resolve results stored as references (object store) in the state")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="after the timeline, print each event as it is stored, until "
+                        "Ctrl-C (no state: `toolbus state` gives the live one)")
     _add_nats(p)
 
     p = sub.add_parser("state", help="the session actor's live state of a session, as JSON")
@@ -858,6 +861,13 @@ async def _inject(url: str, args: argparse.Namespace) -> int:
 
 async def _replay(url: str, args: argparse.Namespace) -> int:
     sid = check_session_id(args.session)
+    if args.follow and (args.until is not None or args.full):
+        print("toolbus: replay --follow reads on past the log's end and prints no state: "
+              f"it takes no {'--until' if args.until is not None else '--full'}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.follow:
+        return await _follow(url, sid, as_json=args.json)
     bus = await connect(url, name="toolbus-replay")
     try:
         stored = await EventLog(bus).read_session(sid, until=args.until)
@@ -868,29 +878,61 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
     out = sys.stdout
     if args.json:
         for s in stored:
-            event = s.data if s.event is None else encode_event(s.event)
-            out.write(f'{{"seq":{s.seq},"subject":{_json.encode(s.subject).decode()},'
-                      f'"event":{event.decode()}}}\n')
+            out.write(_json_line(s))
         out.write(f'{{"state":{encode_state(state).decode()}}}\n')
         return EXIT_OK
     if not stored:
         print(f"toolbus: session {sid} has no events", file=sys.stderr)
         return EXIT_CALL_FAILED
     out.write(f"session {sid}: {len(stored)} event(s)\n")
-    out.write(f"{'seq':>8}  {'time (UTC)':<26}  {'actor':<9} {'type':<18} summary\n")
+    out.write(_TIMELINE_HEAD)
     for s in stored:
-        if s.event is None:
-            out.write(f"{s.seq:>8}  {'?':<26}  {'?':<9} {'(unreadable)':<18} "
-                      f"{_printable(s.error)}\n")
-            continue
-        ev = s.event
-        when = datetime.fromtimestamp(ev.at, UTC).isoformat(timespec="microseconds")[:26]
-        tag = type(ev).__struct_config__.tag
-        # Model and tool text: printed without what could drive the terminal.
-        out.write(f"{s.seq:>8}  {when:<26}  {ev.actor:<9} {tag!s:<18} "
-                  f"{_printable(summarize(ev))}\n")
+        out.write(_timeline_line(s))
     out.write("\nstate:\n")
     out.write(_printable(msgspec.json.format(encode_state(state).decode(), indent=2)) + "\n")
+    return EXIT_OK
+
+
+_TIMELINE_HEAD: Final = f"{'seq':>8}  {'time (UTC)':<26}  {'actor':<9} {'type':<18} summary\n"
+
+
+def _timeline_line(s: StoredEvent) -> str:
+    if s.event is None:
+        return f"{s.seq:>8}  {'?':<26}  {'?':<9} {'(unreadable)':<18} {_printable(s.error)}\n"
+    ev = s.event
+    when = datetime.fromtimestamp(ev.at, UTC).isoformat(timespec="microseconds")[:26]
+    tag = type(ev).__struct_config__.tag
+    # Model and tool text: printed without what could drive the terminal.
+    return f"{s.seq:>8}  {when:<26}  {ev.actor:<9} {tag!s:<18} {_printable(summarize(ev))}\n"
+
+
+def _json_line(s: StoredEvent) -> str:
+    event = s.data if s.event is None else encode_event(s.event)
+    return (f'{{"seq":{s.seq},"subject":{_json.encode(s.subject).decode()},'
+            f'"event":{event.decode()}}}\n')
+
+
+async def _follow(url: str, sid: str, *, as_json: bool) -> int:
+    """`replay --follow`: the session's events from its first, then each one as it is
+    stored, until interrupted; a line each, flushed (a pipe reader sees it at once)."""
+    from bus.feed import SessionFeed
+
+    bus = await connect(url, name="toolbus-replay")
+    out = sys.stdout
+    try:
+        if not as_json:
+            print(f"session {sid}: following its events (Ctrl-C to stop)", file=sys.stderr)
+            out.write(_TIMELINE_HEAD)
+            out.flush()
+        async with SessionFeed(bus, sid) as feed:
+            async for item in feed.items():
+                if item is None or item.seq is None:
+                    continue  # quiet, or a text delta: only what is stored is replayed
+                stored = decode_stored(item.seq, item.subject, item.data)
+                out.write(_json_line(stored) if as_json else _timeline_line(stored))
+                out.flush()
+    finally:
+        await bus.close()
     return EXIT_OK
 
 

@@ -70,6 +70,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
 from bus.connection import Bus, as_bus_error
+from bus.feed import SessionFeed
 from bus.subjects import approval_subject
 from schemas.errors import (
     ConfigError,
@@ -89,7 +90,7 @@ from schemas.requests import (
     parse_tool_event,
 )
 from schemas.state import SessionState, encode_state
-from services.event_stream import SessionStream, frame
+from services.event_stream import error_frame, frame, frames
 
 log = logging.getLogger("toolbus.gateway")
 
@@ -576,7 +577,7 @@ class _Streams:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.open_now = 0
-        self._streams: set[SessionStream] = set()
+        self._streams: set[SessionFeed] = set()
         self._ending = False
 
     def end_all(self) -> None:
@@ -584,10 +585,10 @@ class _Streams:
         ones: the gateway is stopping."""
         self._ending = True
         for stream in self._streams:
-            stream.end()
+            stream.stop()
 
-    async def open(self, stream: SessionStream,
-                   first: Callable[[SessionStream], Awaitable[bytes]] | None = None
+    async def open(self, stream: SessionFeed,
+                   first: Callable[[SessionFeed], Awaitable[bytes]] | None = None
                    ) -> Response:
         """The SSE answer of `stream`; `first` (called once it is subscribed) gives its
         first event."""
@@ -609,7 +610,7 @@ class _Streams:
             raise
         return _EventStreamResponse(stream, head, self._closed)
 
-    def _closed(self, stream: SessionStream) -> None:
+    def _closed(self, stream: SessionFeed) -> None:
         self.open_now -= 1
         self._streams.discard(stream)
 
@@ -618,8 +619,8 @@ class _EventStreamResponse(StreamingResponse):
     """Server-sent events; the stream is closed however the answer ends, including when
     the reader left before its first byte (the body is then never iterated)."""
 
-    def __init__(self, stream: SessionStream, head: bytes,
-                 closed: Callable[[SessionStream], None]) -> None:
+    def __init__(self, stream: SessionFeed, head: bytes,
+                 closed: Callable[[SessionFeed], None]) -> None:
         self._stream = stream
         self._on_closed = closed
         super().__init__(self._body(head), media_type="text/event-stream",
@@ -629,16 +630,15 @@ class _EventStreamResponse(StreamingResponse):
         if head:
             yield head
         try:
-            async for chunk in self._stream.frames():
+            async for chunk in frames(self._stream):
                 yield chunk
         except Exception as exc:  # the top of this answer: said to the reader, and ended
             mapped = exc if isinstance(exc, ToolbusError) else as_bus_error(exc)
             if mapped is None:
                 log.error("gateway: an event stream failed", exc_info=exc)
-            yield frame("error", msgspec.json.encode(
-                {"code": "unavailable", "error": f"{mapped}; reconnect later with "
-                 f"Last-Event-ID {self._stream.last}"} if mapped is not None else
-                {"code": "internal", "error": "the stream failed (the gateway logged why)"}))
+            yield error_frame("unavailable", f"{mapped}; reconnect later with Last-Event-ID "
+                              f"{self._stream.last}") if mapped is not None else \
+                error_frame("internal", "the stream failed (the gateway logged why)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -734,7 +734,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         except ToolbusError as exc:
             return _error(503, str(exc))
 
-        async def submitted(watch: SessionStream) -> bytes:
+        async def submitted(watch: SessionFeed) -> bytes:
             sub = await client.submit(sid, body, request_id=request_id)
             if sub.duplicate:
                 watch.restart(0)  # sent before: its turn is in the log, read from the start
@@ -742,7 +742,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 "ok": True, "request_id": request_id, "turn_id": sub.turn_id,
                 "duplicate": sub.duplicate}))
 
-        return await streams.open(SessionStream(bus, sid, after=after, turn_id=turn_id),
+        return await streams.open(SessionFeed(bus, sid, after=after, turn_id=turn_id),
                                   submitted)
 
     @app.get("/sessions/{sid}/events", summary="A session's events, as server-sent events",
@@ -771,7 +771,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 return _error(400, "Last-Event-ID is not an event id of this stream (a "
                                    "stream sequence, as its `id:` lines give)")
             after = int(resume)
-        return await streams.open(SessionStream(bus, sid, after=after or 0, turn_id=turn))
+        return await streams.open(SessionFeed(bus, sid, after=after or 0, turn_id=turn))
 
     @app.post("/sessions/{sid}/tool_events", status_code=201, response_model=Injected,
               summary="Inject a tool event", openapi_extra=_body("ToolEvent"),

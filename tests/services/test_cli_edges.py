@@ -33,6 +33,8 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("call", "built-in:echo", "--timeout", "-1"), "argument --timeout: -1 is not a positive"),
     (("call", "built-in:echo", "--timeout", "soon"), "argument --timeout: invalid float"),
     (("replay", "s", "--until", "0"), "argument --until: 0 is not a positive"),
+    (("replay", "s", "--follow", "--until", "3"), "it takes no --until"),
+    (("replay", "s", "-f", "--full"), "it takes no --full"),
     (("bench", "calls", "--n", "0"), "argument --n: 0 is not a positive"),
     (("bench", "agent", "--nats", "nats://127.0.0.1:4222"),
      "bench agent: not used here: --nats"),
@@ -66,7 +68,8 @@ def test_the_sample_servers_refuse_a_port_that_is_not_one(module: str) -> None:
 
 
 @pytest.mark.parametrize("args", [
-    ("call", "built-in:echo", "{}"), ("replay", "s1"), ("state", "s1"), ("tools",),
+    ("call", "built-in:echo", "{}"), ("replay", "s1"), ("replay", "s1", "--follow"),
+    ("state", "s1"), ("tools",),
     ("executors",), ("approvals",), ("approve", "c1", "--session", "s1"),
     ("deny", "c1", "--session", "s1", "--reason", "no"), ("tools", "remove", "x:y"),
     ("chat", "hi"),

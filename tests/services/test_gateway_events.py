@@ -19,7 +19,6 @@ from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.server import free_port
 from services import gateway as gateway_module
-from services.event_stream import SessionStream
 from services.gateway import ROLES
 from services.runtime import start_gateway
 from tests.llm_servers import Call, FakeProvider, reply
@@ -190,7 +189,7 @@ async def test_a_request_streamed_again_is_answered_from_the_log(
 async def test_a_quiet_stream_sends_keep_alive_comments(
         bus: Bus, system: dict[str, Any], tokens: dict[str, str], sid: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("services.event_stream.KEEPALIVE_S", 0.05)
+    monkeypatch.setattr("bus.feed.QUIET_S", 0.05)
     gw, short = await _gateway(bus)
     try:
         comments: list[str] = []
@@ -260,24 +259,6 @@ async def test_event_streams_over_the_limit_are_refused_until_one_closes(
                 await asyncio.sleep(0.02)
     finally:
         await gw.stop()
-
-
-async def test_events_whose_live_copies_never_came_are_read_from_the_log(
-        bus: Bus, client: ToolbusClient, sid: str) -> None:
-    # Never subscribed: as if NATS dropped every live copy. The quiet ticks read the log.
-    stream = SessionStream(bus, sid, turn_id="r-lost", keepalive_s=0.05)
-    end = await client.call(sid, [{"tool": "built-in:echo", "arguments": {"text": "hi"}}],
-                            request_id="r-lost", timeout=30)
-    got: list[bytes] = []
-    async with asyncio.timeout(10):
-        async for chunk in stream.frames():
-            got.append(chunk)
-    stored = await client.log.read_session(sid)
-    sent = [c for c in got if not c.startswith(b":")]
-    assert [int(c.split(b"\n", 1)[0].removeprefix(b"id: ")) for c in sent] == \
-        [e.seq for e in stored]
-    assert sent[-1].startswith(f"id: {stored[-1].seq}\nevent: turn.completed\n".encode())
-    assert end.turn_id == "r-lost"
 
 
 async def test_a_stopping_gateway_ends_its_streams_with_a_last_event_id_to_resume_from(

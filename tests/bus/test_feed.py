@@ -1,0 +1,83 @@
+"""Following a session (bus/feed.py): stored events read from the log in order, whatever
+NATS drops of their live copies; one turn's, ending with its end; and `toolbus replay
+--follow`, which prints them as they are stored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from typing import Any
+
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from bus.feed import SessionFeed
+from tests.conftest import REPO, toolbus_cmd
+
+ECHO: dict[str, Any] = {"tool": "built-in:echo", "arguments": {"text": "hi"}}
+
+
+async def test_events_whose_live_copies_never_came_are_read_from_the_log(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    # Never subscribed: as if NATS dropped every live copy. The quiet ticks read the log.
+    feed = SessionFeed(bus, sid, turn_id="r-lost", quiet_s=0.05)
+    end = await client.call(sid, [ECHO], request_id="r-lost", timeout=30)
+    got = []
+    async with asyncio.timeout(10):
+        async for item in feed.items():
+            got.append(item)
+    stored = await client.log.read_session(sid)
+    assert [(i.seq, i.subject, i.data) for i in got if i is not None] == \
+        [(e.seq, e.subject, e.data) for e in stored]
+    assert got[-1] is not None and got[-1].type == "turn.completed" and feed.ended
+    assert end.turn_id == "r-lost"
+
+
+async def test_a_turn_followed_from_the_client_has_its_events_only_and_ends_with_it(
+        client: ToolbusClient, sid: str) -> None:
+    await client.call(sid, [ECHO], request_id="r-before", timeout=30)
+    async with client.follow(sid, turn_id="r-after") as feed:
+        sent = asyncio.create_task(client.call(sid, [ECHO], request_id="r-after",
+                                               timeout=30))
+        async with asyncio.timeout(30):
+            got = [item async for item in feed.items() if item is not None]
+        await sent
+    stored = await client.log.read_session(sid)
+    theirs = [e for e in stored if e.event is not None and (
+        getattr(e.event, "turn_id", None) == "r-after" or
+        str(getattr(e.event, "call_id", "")).startswith("r-after-"))]
+    assert [i.seq for i in got] == [e.seq for e in theirs]
+    assert got[0].type == "turn.requested" and got[-1].type == "turn.completed"
+
+
+async def test_replay_follow_prints_the_timeline_then_each_event_as_it_is_stored(
+        nats_url: str, client: ToolbusClient, sid: str) -> None:
+    await client.call(sid, [ECHO], request_id="r-first", timeout=30)
+    proc = await asyncio.create_subprocess_exec(
+        *toolbus_cmd("replay", sid, "--follow", "--json", "--nats", nats_url), cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+
+    async def until_turn_ends(turn_id: str) -> list[dict[str, Any]]:
+        lines = []
+        while True:
+            line = json.loads(await proc.stdout.readline())  # type: ignore[union-attr]
+            lines.append(line)
+            if line["event"]["type"] == "turn.completed" and \
+                    line["event"]["turn_id"] == turn_id:
+                return lines
+
+    try:
+        async with asyncio.timeout(60):
+            first = await until_turn_ends("r-first")
+            await client.call(sid, [ECHO], request_id="r-second", timeout=30)
+            second = await until_turn_ends("r-second")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            code = await proc.wait()
+            stderr = (await proc.stderr.read()).decode()
+    stored = await client.log.read_session(sid)
+    assert [(line["seq"], line["subject"]) for line in first + second] == \
+        [(e.seq, e.subject) for e in stored][:len(first) + len(second)]
+    assert code == 130 and "Traceback" not in stderr, stderr
