@@ -93,10 +93,12 @@ def retry_after(headers: Mapping[str, str], now: datetime | None = None) -> floa
 
 
 # Shapes of API keys that providers echo, whole or masked, in their error messages.
+# The masked one is a word with four asterisks in it, tried only from a word's start:
+# tried from every character, a long word without them cost the square of its length.
 _KEYLIKE: Final = re.compile(
     r"sk-[A-Za-z0-9_\-*.]{6,}"  # OpenAI, Anthropic (sk-ant-...), and compatible servers
     r"|AIza[0-9A-Za-z_\-]{10,}"  # Google
-    r"|\S*\*{4,}\S*"  # a masked key: "sk-proj-****...abcd"
+    r"|(?<!\S)\S*?\*{4,}\S*"  # a masked key: "sk-proj-****...abcd"
 )
 
 

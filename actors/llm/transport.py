@@ -460,7 +460,9 @@ def stream_error(provider: str, error: Any) -> ModelError:
         kind, retryable = "unavailable", True
     if label.strip() and label.split()[0] not in message.lower():
         message = f"{message} ({label.split()[0]})"
-    return ModelError(kind, clip(redact(message, None)), provider=provider, retryable=retryable)
+    # As much as an error body is read of (a message can be a whole event, 16 MiB).
+    message = clip(redact(message[:ERROR_BODY_LIMIT], None))
+    return ModelError(kind, message, provider=provider, retryable=retryable)
 
 
 def _partial(provider: str, message: str, status: int | None) -> ModelError:

@@ -532,3 +532,26 @@ def test_a_key_is_redacted_as_libraries_quote_it_escaped() -> None:
     quoted = f"LocalProtocolError: Illegal header value {('Bearer ' + key).encode()!r}"
     assert "SECRET" in quoted and "SECRET" not in redact(quoted, key)
     assert "SECRET" not in redact(f"{key!r}", key) and "SECRET" not in redact(key, key)
+
+
+@pytest.mark.parametrize("provider", ["openai", "openai-responses", "anthropic", "gemini"])
+async def test_a_long_error_message_without_spaces_costs_linear_time(
+        server: tuple[RawServer, int], provider: str) -> None:
+    # The masked-key pattern (`\S*\*{4,}\S*`) was tried from every character of a word:
+    # 64 KiB of error body without a space held the planner's event loop (every session)
+    # 20 s per attempt, and a 1 MiB message in an error event for over an hour.
+    raw, port = server
+    raw.reply = body(b"x" * transport.ERROR_BODY_LIMIT, status=500, ctype="text/plain")
+    t = time.process_time()
+    got, _ = await ask(port, provider)
+    assert isinstance(got, ModelError) and got.status == 500, got
+    error = {"message": "y" * 1_000_000, "type": "server_error"}
+    event = {"openai": {"error": error},
+             "openai-responses": {"type": "error", "code": "server_error",
+                                  "message": error["message"]},
+             "anthropic": {"type": "error", "error": error}, "gemini": {"error": error}}
+    raw.reply = events([sse(event[provider])])
+    got, _ = await ask(port, provider, stream=True)
+    assert isinstance(got, ModelError) and got.message.startswith("yyy"), got
+    assert time.process_time() - t < 3  # CPU; quadratic was hours
+    assert redact("ok sk-proj-****abcd and x****y", None) == "ok [redacted] and [redacted]"
