@@ -33,6 +33,7 @@ from actors.llm.convert import (
     joined_system,
     parse_arguments,
     raw_json,
+    tokens,
 )
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
@@ -175,12 +176,12 @@ def parse(data: Any, names: Names) -> ModelResponse:
                                                                              or ""),
                                   arguments=arguments, extra=extra))
     raw = data.get("stop_reason")
-    usage = data.get("usage") or {}
-    input_tokens = sum(usage.get(k) or 0 for k in (
-        "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"))
+    usage = data.get("usage")
+    input_tokens = tokens(usage, "input_tokens", "cache_creation_input_tokens",
+                          "cache_read_input_tokens")
     return ModelResponse(
         text="".join(text), tool_calls=calls, finish_reason=FINISH.get(raw or "", raw or "stop"),
-        usage=Usage(input_tokens=input_tokens, output_tokens=usage.get("output_tokens") or 0),
+        usage=Usage(input_tokens=input_tokens, output_tokens=tokens(usage, "output_tokens")),
         model=data.get("model") or "", latency_ms=0, response_id=data.get("id"),
         extra={"stop_reason": raw})
 
@@ -210,7 +211,7 @@ class MessagesStream:
         index = ev.get("index", 0)
         if kind == "message_start":
             self._message = dict(ev.get("message") or {})
-            self._usage.update(self._message.get("usage") or {})
+            self._add_usage(self._message.get("usage"))
         elif kind == "content_block_start":
             self._blocks[index] = dict(ev.get("content_block") or {})
             for key in ("text", "thinking", "input"):  # a block restarted at this index
@@ -221,12 +222,16 @@ class MessagesStream:
             self._join(index)
         elif kind == "message_delta":
             self._message.update(ev.get("delta") or {})
-            self._usage.update(ev.get("usage") or {})
+            self._add_usage(ev.get("usage"))
         elif kind == "message_stop":
             self.ended = self.complete = True
         elif kind == "error":
             raise stream_error(PROVIDER, ev.get("error"))
         return ""
+
+    def _add_usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):  # otherwise no count (see `tokens`)
+            self._usage.update(usage)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> str:
         self._blocks.setdefault(index, {"type": "text", "text": ""})

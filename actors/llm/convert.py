@@ -217,6 +217,20 @@ def result_value(text: str) -> Any:
         return text
 
 
+def tokens(usage: Any, *keys: str) -> int:
+    """The sum of the token counts under `keys` of a provider's usage object. Counts only
+    feed the turn's budget: a value that is not a count (text, a list, negative, past
+    2**53), or a usage that is not an object, counts as none, never fails the reply."""
+    if not isinstance(usage, dict):
+        return 0
+    return sum(count(usage.get(k)) for k in keys)
+
+
+def count(value: Any) -> int:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**53
+    return int(value) if ok else 0
+
+
 def joined_system(system: str | None, texts: list[str]) -> str | None:
     """The system prompt plus the system-role messages' texts (see `Assembly.system`)."""
     return "\n\n".join([system, *texts] if system else texts) or None

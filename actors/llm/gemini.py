@@ -43,6 +43,7 @@ from actors.llm.convert import (
     raw_json,
     result_value,
     stable_id,
+    tokens,
 )
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
@@ -201,7 +202,7 @@ def _reply(parts: list[dict[str, Any]], raw_finish: str | None, data: dict[str, 
     response_id = data.get("responseId")
     calls = _calls(parts, names, response_id)
     text = "".join(p.get("text") or "" for p in parts if not p.get("thought"))
-    usage = data.get("usageMetadata") or {}
+    usage = data.get("usageMetadata")
     extra: dict[str, Any] = {"stop_reason": raw_finish}
     block = (data.get("promptFeedback") or {}).get("blockReason")
     if block:
@@ -209,9 +210,9 @@ def _reply(parts: list[dict[str, Any]], raw_finish: str | None, data: dict[str, 
     return ModelResponse(
         text=text, tool_calls=calls,
         finish_reason="content_filter" if block else _finish(raw_finish, bool(calls)),
-        usage=Usage(input_tokens=usage.get("promptTokenCount") or 0,
-                    output_tokens=(usage.get("candidatesTokenCount") or 0)
-                    + (usage.get("thoughtsTokenCount") or 0)),
+        usage=Usage(input_tokens=tokens(usage, "promptTokenCount"),
+                    output_tokens=tokens(usage, "candidatesTokenCount",
+                                         "thoughtsTokenCount")),
         model=data.get("modelVersion") or "", latency_ms=0, response_id=response_id,
         extra=extra)
 

@@ -27,6 +27,7 @@ from actors.llm.convert import (
     parse_arguments,
     stable_id,
     strict_compatible,
+    tokens,
 )
 from actors.llm.transport import WireRequest, decode_json, stream_error
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall, Usage
@@ -118,15 +119,15 @@ def _call(raw_id: Any, pname: str, raw_args: Any, names: Names, position: int,
     return ToolCall(id=call_id, name=names.back(pname), arguments=arguments, extra=extra)
 
 
-def _reply(text: str, calls: list[ToolCall], raw_finish: str | None, usage: dict[str, Any],
+def _reply(text: str, calls: list[ToolCall], raw_finish: str | None, usage: Any,
            model: str, response_id: str | None, extra: dict[str, Any]) -> ModelResponse:
     finish = FINISH.get(raw_finish or "", raw_finish or "stop")
     if calls and finish == "stop":
         finish = "tool_calls"  # some compatible servers say "stop" with calls
     return ModelResponse(
         text=text, tool_calls=calls, finish_reason=finish,
-        usage=Usage(input_tokens=usage.get("prompt_tokens") or 0,
-                    output_tokens=usage.get("completion_tokens") or 0),
+        usage=Usage(input_tokens=tokens(usage, "prompt_tokens"),
+                    output_tokens=tokens(usage, "completion_tokens")),
         model=model, latency_ms=0, response_id=response_id,
         extra={"stop_reason": raw_finish, **extra})
 
@@ -144,7 +145,7 @@ def parse(data: Any, names: Names) -> ModelResponse:
              for i, tc in enumerate(message.get("tool_calls") or [])]
     extra = {"refusal": message["refusal"]} if message.get("refusal") else {}
     return _reply(message.get("content") or "", calls, choice.get("finish_reason"),
-                  data.get("usage") or {}, data.get("model") or "", response_id, extra)
+                  data.get("usage"), data.get("model") or "", response_id, extra)
 
 
 class ChatStream:
@@ -162,7 +163,7 @@ class ChatStream:
         self._calls: dict[int, tuple[list[str], list[str], list[str]]] = {}
         self._last: int | None = None  # the call the latest fragment went to
         self._finish: str | None = None
-        self._usage: dict[str, Any] = {}
+        self._usage: Any = {}
         self._model = ""
         self._id: str | None = None
 

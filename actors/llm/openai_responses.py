@@ -35,6 +35,7 @@ from actors.llm.convert import (
     joined_system,
     parse_arguments,
     strict_compatible,
+    tokens,
 )
 from actors.llm.openai_chat import DEFAULT_BASE_URL
 from actors.llm.transport import WireRequest, decode_json, stream_error
@@ -152,11 +153,11 @@ def parse(data: Any, names: Names) -> ModelResponse:
         finish = INCOMPLETE.get(reason, reason)
     else:
         finish = "tool_calls" if calls else "stop"
-    usage = data.get("usage") or {}
+    usage = data.get("usage")
     return ModelResponse(
         text="".join(text), tool_calls=calls, finish_reason=finish,
-        usage=Usage(input_tokens=usage.get("input_tokens") or 0,
-                    output_tokens=usage.get("output_tokens") or 0),
+        usage=Usage(input_tokens=tokens(usage, "input_tokens"),
+                    output_tokens=tokens(usage, "output_tokens")),
         model=data.get("model") or "", latency_ms=0, response_id=data.get("id"),
         extra={"stop_reason": status, **extra})
 

@@ -24,7 +24,7 @@ import httpx
 import msgspec
 from httpx_sse import SSEError
 
-from actors.llm.convert import stable_id
+from actors.llm.convert import count, stable_id
 from actors.llm.retry import clip, http_error, redact
 from actors.llm.types import ModelResponse
 from schemas.defaults import MAX_JSON_DEPTH
@@ -111,7 +111,7 @@ def checked(reply: ModelResponse) -> ModelResponse:
     if json_depth(data, MAX_REPLY_DEPTH) > MAX_REPLY_DEPTH:
         raise ValueError(f"the reply nests deeper than {MAX_REPLY_DEPTH} levels")
     # Token counts only feed the turn's budget: a count that is not one is taken as none.
-    data["usage"] = {k: _count(v) for k, v in (data.get("usage") or {}).items()}
+    data["usage"] = {k: count(v) for k, v in (data.get("usage") or {}).items()}
     reply = msgspec.convert(data, ModelResponse)
     if len(reply.tool_calls) > MAX_CALLS_PER_REPLY:
         raise ValueError(f"{len(reply.tool_calls)} tool calls in one reply, over "
@@ -228,11 +228,6 @@ class _KeyGuard:
     def rest(self) -> str:
         held, self._held = self._held, ""
         return held
-
-
-def _count(value: Any) -> int:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**53
-    return int(value) if ok else 0
 
 
 async def _read_clipped(response: httpx.Response) -> bytes:

@@ -555,3 +555,42 @@ async def test_a_long_error_message_without_spaces_costs_linear_time(
     assert isinstance(got, ModelError) and got.message.startswith("yyy"), got
     assert time.process_time() - t < 3  # CPU; quadratic was hours
     assert redact("ok sk-proj-****abcd and x****y", None) == "ok [redacted] and [redacted]"
+
+
+@pytest.mark.parametrize("usage", [{"a": "12", "b": 3}, {"a": [1], "b": [2]}, {"a": 2**80, "b": -1},
+                                   {"a": 1.5, "b": None}, "lots", [1, 2]],
+                         ids=["string", "lists", "huge-negative", "float-null", "text", "list"])
+@pytest.mark.parametrize("provider", ["openai", "openai-responses", "anthropic", "gemini"])
+async def test_token_counts_that_are_not_counts_count_as_none_in_every_api(
+        server: tuple[RawServer, int], provider: str, usage: Any) -> None:
+    # Anthropic's and Gemini's input or output are sums of two counts: a count given as
+    # text ("12" + 3) refused the whole reply as not in the API's shape, and the turn
+    # ended `model_error` after every retry.
+    def spelt(names: tuple[str, str]) -> Any:
+        return {names[0]: usage["a"], names[1]: usage["b"]} if isinstance(usage, dict) \
+            else usage
+    reply = {
+        "openai": {"id": "c", "choices": [{"index": 0, "message": {"content": "fine"},
+                                           "finish_reason": "stop"}],
+                   "usage": spelt(("prompt_tokens", "completion_tokens"))},
+        "openai-responses": {"id": "r", "status": "completed", "output": [
+            {"type": "message", "content": [{"type": "output_text", "text": "fine"}]}],
+            "usage": spelt(("input_tokens", "output_tokens"))},
+        "anthropic": {"id": "m", "type": "message", "stop_reason": "end_turn",
+                      "content": [{"type": "text", "text": "fine"}],
+                      "usage": {"output_tokens": 2, **spelt(
+                          ("input_tokens", "cache_read_input_tokens"))}
+                      if isinstance(usage, dict) else usage},
+        "gemini": {"candidates": [{"content": {"parts": [{"text": "fine"}]},
+                                   "finishReason": "STOP"}],
+                   "usageMetadata": {"promptTokenCount": 2, **spelt(
+                       ("candidatesTokenCount", "thoughtsTokenCount"))}
+                   if isinstance(usage, dict) else usage},
+    }[provider]
+    raw, port = server
+    raw.reply = body(json.dumps(reply).encode())
+    got, _ = await ask(port, provider)
+    assert not isinstance(got, ModelError), got
+    assert got.text == "fine"
+    counts = (got.usage.input_tokens, got.usage.output_tokens)
+    assert all(isinstance(n, int) and 0 <= n < 2**53 for n in counts), counts
