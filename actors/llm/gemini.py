@@ -253,7 +253,7 @@ class GenerateStream:
         if chunk.get("error"):
             raise stream_error(PROVIDER, chunk["error"])
         self._last = {**self._last, **chunk}
-        if chunk.get("promptFeedback", {}).get("blockReason"):
+        if (chunk.get("promptFeedback") or {}).get("blockReason"):
             self.complete = True
         piece = ""
         for candidate in chunk.get("candidates") or []:

@@ -151,3 +151,23 @@ def test_user_text_after_function_responses_is_a_content_of_its_own() -> None:
     assert request.body["contents"][1]["parts"][0] == {"text": "Checking."}
     assert request.body["contents"][2]["parts"] == [{"functionResponse": {
         "name": "clock__now", "id": "c1", "response": {"output": "10:00"}}}]
+
+
+async def test_a_streamed_chunk_with_null_prompt_feedback_reads_as_without_one(
+        fake: FakeProvider) -> None:
+    # As in a whole reply: a proxy that writes every unset field as null sent
+    # `promptFeedback: null` in each chunk, and every streamed reply was refused as not
+    # in the API's shape (the turn ended `model_error` after its retries).
+    events = [(name, {**data, "promptFeedback": None})
+              for name, data in gemini_events(["Sunny ", "in Paris."])]
+    fake.script(Step(events=events))
+    deltas: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    answer = await complete(settings(fake, max_retries=0), system=None,
+                            messages=[Message(role="user", text="Weather?")], tools=TOOLS,
+                            on_delta=on_delta)
+    assert answer.text == "".join(deltas) == "Sunny in Paris."
+    assert answer.finish_reason == "stop"
