@@ -144,7 +144,9 @@ def parse(data: Any, names: Names) -> ModelResponse:
                    (tc.get("function") or {}).get("arguments"), names, i, response_id)
              for i, tc in enumerate(message.get("tool_calls") or [])]
     extra = {"refusal": message["refusal"]} if message.get("refusal") else {}
-    return _reply(message.get("content") or "", calls, choice.get("finish_reason"),
+    # A refusal is the model's answer, in a field of its own (`content` is null).
+    text = message.get("content") or message.get("refusal") or ""
+    return _reply(text, calls, choice.get("finish_reason"),
                   data.get("usage"), data.get("model") or "", response_id, extra)
 
 
@@ -185,6 +187,7 @@ class ChatStream:
                 continue
             delta = choice.get("delta") or {}
             piece += delta.get("content") or ""
+            piece += delta.get("refusal") or ""  # the answer, when the model refuses
             for fragment in delta.get("tool_calls") or []:
                 key = fragment.get("index")
                 if key is None:

@@ -134,7 +134,8 @@ def parse(data: Any, names: Names) -> ModelResponse:
             for part in item.get("content") or []:
                 if part.get("type") == "output_text":
                     text.append(part.get("text") or "")
-                elif part.get("type") == "refusal":
+                elif part.get("type") == "refusal":  # the answer, when the model refuses
+                    text.append(part.get("refusal") or "")
                     extra["refusal"] = part.get("refusal")
         elif kind == "reasoning":
             reasoning.append({k: item[k] for k in REASONING_KEYS if k in item})
@@ -147,10 +148,10 @@ def parse(data: Any, names: Names) -> ModelResponse:
             calls.append(ToolCall(id=item.get("call_id") or item.get("id") or "",
                                   name=names.back(item.get("name") or ""),
                                   arguments=arguments, extra=call_extra))
-    status = data.get("status") or "completed"
+    status = raw = data.get("status") or "completed"
     if status == "incomplete":
-        reason = (data.get("incomplete_details") or {}).get("reason") or "incomplete"
-        finish = INCOMPLETE.get(reason, reason)
+        raw = (data.get("incomplete_details") or {}).get("reason") or "incomplete"
+        finish = INCOMPLETE.get(raw, raw)
     else:
         finish = "tool_calls" if calls else "stop"
     usage = data.get("usage")
@@ -159,7 +160,7 @@ def parse(data: Any, names: Names) -> ModelResponse:
         usage=Usage(input_tokens=tokens(usage, "input_tokens"),
                     output_tokens=tokens(usage, "output_tokens")),
         model=data.get("model") or "", latency_ms=0, response_id=data.get("id"),
-        extra={"stop_reason": status, **extra})
+        extra={"stop_reason": raw, **extra})
 
 
 class ResponsesStream:
@@ -183,7 +184,7 @@ class ResponsesStream:
             return ""
         kind = ev.get("type") or event
         index = ev.get("output_index", 0)
-        if kind == "response.output_text.delta":
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
             delta = ev.get("delta") or ""
             if not isinstance(delta, str):
                 return ""

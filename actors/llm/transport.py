@@ -180,6 +180,24 @@ def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> 
         raise _quotes_key(provider)
 
 
+def _refuse_empty(reply: ModelResponse, provider: str) -> None:
+    """A reply with neither text nor a call that the provider cut short is no answer: its
+    content filter stopped it (Gemini's blocked prompt, Anthropic's refusal), or the
+    token limit came first. The same request would end the same way, and an empty answer
+    would tell the user nothing."""
+    if reply.text or reply.tool_calls or reply.finish_reason not in ("content_filter",
+                                                                      "length"):
+        return
+    raw = reply.extra.get("block_reason") or reply.extra.get("stop_reason")
+    why = f" ({clip(str(raw), 60)})" if raw else ""
+    if reply.finish_reason == "length":
+        what = (f"the model reached its token limit{why} before any text or call: raise "
+                "the model's max_tokens")
+    else:
+        what = f"the provider's content filter stopped it{why}"
+    raise ModelError("bad_request", f"the reply is empty: {what}", provider=provider)
+
+
 def _strings(value: Any) -> Iterator[str]:
     """Every string in a JSON-like value, keys included (as decoded: JSON's escapes
     would hide a control character inside the key)."""
@@ -290,6 +308,7 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                 with _shape(req.provider):
                     reply = checked(decoder.result())
             _refuse_quoted_key(reply, key, req.provider)
+            _refuse_empty(reply, req.provider)
             rest = guard.rest()
             if rest and on_delta is not None:
                 delivered = True

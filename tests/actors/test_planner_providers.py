@@ -522,3 +522,26 @@ async def test_a_tool_the_catalog_lacks_goes_back_to_the_model_as_an_error(
     assert [(p["name"], p["id"]) for p in parts] == [("search", "fc-1"), ("web__fetch", "fc-2")]
     assert all(list(p["response"]) == ["error"] for p in parts)
     await assert_replay_equals_live(bus, client, sid)
+
+
+@pytest.mark.parametrize("api", [APIS["gemini"], APIS["openai"]], ids=["gemini", "openai"])
+async def test_a_blocked_prompt_fails_the_turn_saying_so_and_a_refusal_is_the_answer(
+        bus: Bus, client: ToolbusClient, planner: Planner, api: Api, fake: FakeProvider,
+        sid: str) -> None:
+    # Both ended `turn.completed` with an empty answer: nothing said why.
+    if api.provider == "gemini":
+        fake.script(Step(body={"promptFeedback": {"blockReason": "PROHIBITED_CONTENT"},
+                               "usageMetadata": {"promptTokenCount": 8}}))
+    else:
+        fake.script(Step(body={"id": "c", "object": "chat.completion", "model": api.model,
+                               "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                   "role": "assistant", "content": None,
+                                   "refusal": "I can't help with that."}}]}))
+    end = await client.ask(sid, "Something it will not do.", timeout=60)
+    if api.provider == "gemini":
+        assert isinstance(end, TurnFailed) and end.reason == "model_error", end
+        assert "content filter stopped it (PROHIBITED_CONTENT)" in end.message, end.message
+    else:
+        assert isinstance(end, TurnCompleted) and end.text == "I can't help with that.", end
+    assert len(fake.requests) == 1  # the same request would end the same way
+    await assert_replay_equals_live(bus, client, sid)

@@ -594,3 +594,56 @@ async def test_token_counts_that_are_not_counts_count_as_none_in_every_api(
     assert got.text == "fine"
     counts = (got.usage.input_tokens, got.usage.output_tokens)
     assert all(isinstance(n, int) and 0 <= n < 2**53 for n in counts), counts
+
+
+@pytest.mark.parametrize(("provider", "reply", "words"), [
+    ("gemini", {"promptFeedback": {"blockReason": "SAFETY"}},
+     "the provider's content filter stopped it (SAFETY)"),
+    ("gemini", {"candidates": [{"finishReason": "RECITATION", "index": 0}]},
+     "the provider's content filter stopped it (RECITATION)"),
+    ("anthropic", {"id": "m", "type": "message", "content": [], "stop_reason": "refusal"},
+     "the provider's content filter stopped it (refusal)"),
+    ("gemini", {"candidates": [{"content": {"role": "model"}, "finishReason": "MAX_TOKENS"}]},
+     "the model reached its token limit (MAX_TOKENS) before any text or call"),
+    ("openai-responses", {"id": "r", "status": "incomplete", "output": [],
+                          "incomplete_details": {"reason": "max_output_tokens"}},
+     "the model reached its token limit (max_output_tokens) before any text or call"),
+])
+async def test_an_empty_reply_the_provider_cut_short_is_a_model_error_saying_why(
+        server: tuple[RawServer, int], provider: str, reply: Any, words: str) -> None:
+    # Neither text nor a call: the turn completed with an empty answer, and nothing told
+    # the user that a filter or the token limit had stopped the model.
+    raw, port = server
+    raw.reply = body(json.dumps(reply).encode())
+    got, _ = await ask(port, provider)
+    assert isinstance(got, ModelError) and got.kind == "bad_request", got
+    assert words in got.message and not got.retryable
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("provider", ["openai", "openai-responses"])
+async def test_an_openai_refusal_is_the_answer(server: tuple[RawServer, int], provider: str,
+                                               stream: bool) -> None:
+    # The model's refusal is in its own field, `content` null: the turn completed with an
+    # empty answer and the refusal was nowhere.
+    said = "I'm sorry, I can't help with that."
+    raw, port = server
+    if provider == "openai" and not stream:
+        raw.reply = body(chat({"content": None, "refusal": said}))
+    elif provider == "openai":
+        raw.reply = events([sse({"id": "c", "choices": [{"index": 0, "delta": {
+            "refusal": piece}}]}) for piece in (said[:9], said[9:])] + [sse(
+                {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                b"data: [DONE]\n\n"])
+    else:
+        final = {"id": "r", "status": "completed", "output": [{"type": "message", "content": [
+            {"type": "refusal", "refusal": said}]}]}
+        raw.reply = body(json.dumps(final).encode()) if not stream else events([
+            sse({"type": "response.refusal.delta", "output_index": 0, "content_index": 0,
+                 "delta": piece}) for piece in (said[:9], said[9:])] + [
+            sse({"type": "response.completed", "response": final})])
+    got, deltas = await ask(port, provider, stream=stream)
+    assert not isinstance(got, ModelError), got
+    assert got.text == said and got.tool_calls == []
+    if stream:
+        assert "".join(deltas) == said
