@@ -151,7 +151,16 @@ def provider_message(body: bytes) -> str:
 def http_error(provider: str, status: int, headers: Mapping[str, str], body: bytes,
                key: str | None) -> ModelError:
     kind, retryable = classify(status, headers)
-    return ModelError(kind, clip(redact(provider_message(body), key)), provider=provider,
+    location = headers.get("location")
+    if 300 <= status < 400 and location:
+        # Never followed: the key would go with the request to whatever host it names.
+        where = clip(redact(location, key), 200)
+        message = (f"the model server redirects to {where}: set the model's base_url to "
+                   "where it points (redirects are not followed, so that the key goes "
+                   "nowhere else)")
+    else:
+        message = provider_message(body)
+    return ModelError(kind, clip(redact(message, key)), provider=provider,
                       status=status, retryable=retryable, retry_after_s=retry_after(headers))
 
 

@@ -337,3 +337,20 @@ async def test_a_reply_in_the_wrong_shape_is_unavailable_not_a_crash(
                        messages=ASK, tools=TOOLS)
     assert (caught.value.kind, caught.value.attempts) == ("unavailable", 2)
     assert "does not have the API's shape" in str(caught.value)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_a_redirect_is_not_followed_and_the_error_says_where_it_points(
+        fake: FakeProvider, provider: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Followed, the key would go to whatever host the redirect names (a private address
+    # included). Not followed, the error said "answered 307: (empty body)".
+    elsewhere = "http://169.254.169.254/v1/chat"
+    fake.script(Step(status=307, headers={"location": elsewhere}))
+    with pytest.raises(ModelError) as caught:
+        await complete(settings(fake, provider, max_retries=2), system=None, messages=ASK,
+                       tools=TOOLS)
+    err = caught.value
+    assert err.status == 307 and err.kind == "bad_request" and not err.retryable
+    assert f"redirects to {elsewhere}" in err.message and "base_url" in err.message
+    assert len(fake.requests) == 1
+    assert_no_key(err, caplog)
