@@ -336,6 +336,9 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                          provider=req.provider) from exc
     except httpx.TransportError as exc:  # connect, read, write, pool, timeouts, protocol
         what = clip(redact(f"{type(exc).__name__}: {exc}".rstrip(": "), key))
+        if isinstance(exc, httpx.ReadTimeout):  # its own text is empty, or httpcore's
+            what = (f"the model server sent nothing for {timeout_s:g} s (timeout_s): "
+                    f"{type(exc).__name__}")
         if delivered:
             raise _partial(req.provider, what, None) from exc
         raise ModelError("unavailable", what, provider=req.provider, retryable=True) from exc

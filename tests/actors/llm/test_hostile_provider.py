@@ -57,11 +57,15 @@ async def server() -> AsyncIterator[tuple[RawServer, int]]:
         srv.close()
 
 
-def body(data: bytes, status: int = 200, ctype: str = "application/json") -> Reply:
+def body(data: bytes, status: int = 200, ctype: str = "application/json", *,
+         every_s: float = 0.0) -> Reply:
+    """`data` as the whole body; with `every_s`, only its first byte, then silence."""
     async def send(w: asyncio.StreamWriter) -> None:
         w.write(f"HTTP/1.1 {status} X\r\ncontent-type: {ctype}\r\ncontent-length: "
-                f"{len(data)}\r\nconnection: close\r\n\r\n".encode() + data)
+                f"{len(data)}\r\nconnection: close\r\n\r\n".encode()
+                + (data[:1] if every_s else data))
         await w.drain()
+        await asyncio.sleep(every_s)
     return send
 
 
@@ -647,3 +651,15 @@ async def test_an_openai_refusal_is_the_answer(server: tuple[RawServer, int], pr
     assert got.text == said and got.tool_calls == []
     if stream:
         assert "".join(deltas) == said
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("provider", ["openai", "openai-responses", "anthropic", "gemini"])
+async def test_a_server_silent_after_its_headers_ends_the_attempt_saying_how_long(
+        server: tuple[RawServer, int], provider: str, stream: bool) -> None:
+    # The error said only "ReadTimeout": not what was waited for, nor which setting.
+    raw, port = server
+    raw.reply = events([b""], every_s=30) if stream else body(b"{}", every_s=30)
+    got, _ = await ask(port, provider, stream=stream, timeout_s=0.3)
+    assert isinstance(got, ModelError) and got.kind == "unavailable" and got.retryable, got
+    assert "the model server sent nothing for 0.3 s (timeout_s)" in got.message, got
