@@ -181,20 +181,23 @@ def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> 
 
 
 def _refuse_empty(reply: ModelResponse, provider: str) -> None:
-    """A reply with neither text nor a call that the provider cut short is no answer: its
-    content filter stopped it (Gemini's blocked prompt, Anthropic's refusal), or the
-    token limit came first. The same request would end the same way, and an empty answer
-    would tell the user nothing."""
-    if reply.text or reply.tool_calls or reply.finish_reason not in ("content_filter",
-                                                                      "length"):
+    """A reply with neither text nor a call that did not simply stop is no answer, and an
+    empty answer would tell the user nothing. Cut short by the provider's content filter
+    (Gemini's blocked prompt, Anthropic's refusal) or by the token limit, the same request
+    would end the same way; for any other reason (Gemini's MALFORMED_FUNCTION_CALL)
+    another attempt may well answer."""
+    if reply.text or reply.tool_calls or reply.finish_reason in ("stop", "tool_calls"):
         return
     raw = reply.extra.get("block_reason") or reply.extra.get("stop_reason")
-    why = f" ({clip(str(raw), 60)})" if raw else ""
+    why = clip(str(raw or reply.finish_reason), 60)
     if reply.finish_reason == "length":
-        what = (f"the model reached its token limit{why} before any text or call: raise "
-                "the model's max_tokens")
+        what = (f"the model reached its token limit ({why}) before any text or call: "
+                "raise the model's max_tokens")
+    elif reply.finish_reason == "content_filter":
+        what = f"the provider's content filter stopped it ({why})"
     else:
-        what = f"the provider's content filter stopped it{why}"
+        raise ModelError("unavailable", f"the reply is empty (finish reason {why})",
+                         provider=provider, retryable=True)
     raise ModelError("bad_request", f"the reply is empty: {what}", provider=provider)
 
 

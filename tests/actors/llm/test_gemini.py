@@ -171,3 +171,16 @@ async def test_a_streamed_chunk_with_null_prompt_feedback_reads_as_without_one(
                             on_delta=on_delta)
     assert answer.text == "".join(deltas) == "Sunny in Paris."
     assert answer.finish_reason == "stop"
+
+
+async def test_an_empty_reply_for_a_malformed_function_call_is_asked_again(
+        fake: FakeProvider) -> None:
+    # Gemini's MALFORMED_FUNCTION_CALL comes with no content: the turn completed with an
+    # empty answer. Another attempt usually gets the call right.
+    fake.script(Step(body={"candidates": [{"finishReason": "MALFORMED_FUNCTION_CALL",
+                                           "index": 0}], "responseId": "r1"}),
+                reply("gemini", calls=[CALLS[1]]))
+    answer = await complete(settings(fake, max_retries=1), system=None,
+                            messages=[Message(role="user", text="Time?")], tools=TOOLS)
+    assert [c.name for c in answer.tool_calls] == ["clock:now"]
+    assert answer.extra["attempts"] == 2
