@@ -181,14 +181,18 @@ def _refuse_quoted_key(reply: ModelResponse, key: str | None, provider: str) -> 
 
 
 def _refuse_empty(reply: ModelResponse, provider: str) -> None:
-    """A reply with neither text nor a call that did not simply stop is no answer, and an
-    empty answer would tell the user nothing. Cut short by the provider's content filter
-    (Gemini's blocked prompt, Anthropic's refusal) or by the token limit, the same request
-    would end the same way; for any other reason (Gemini's MALFORMED_FUNCTION_CALL)
-    another attempt may well answer."""
-    if reply.text or reply.tool_calls or reply.finish_reason in ("stop", "tool_calls"):
-        return
+    """A reply with neither text nor a call that did not simply stop (with a reason given)
+    is no answer, and an empty answer would tell the user nothing. Cut short by the
+    provider's content filter (Gemini's blocked prompt, Anthropic's refusal) or by the
+    token limit, the same request would end the same way; for any other reason, or none
+    (Gemini's MALFORMED_FUNCTION_CALL), another attempt may well answer."""
     raw = reply.extra.get("block_reason") or reply.extra.get("stop_reason")
+    if reply.text or reply.tool_calls or (
+            raw is not None and reply.finish_reason in ("stop", "tool_calls")):
+        return
+    if raw is None:  # no reason given at all (a stream of only its usage, then [DONE])
+        raise ModelError("unavailable", "the reply is empty, with no finish reason",
+                         provider=provider, retryable=True)
     why = clip(str(raw or reply.finish_reason), 60)
     if reply.finish_reason == "length":
         what = (f"the model reached its token limit ({why}) before any text or call: "

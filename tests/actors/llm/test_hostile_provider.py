@@ -663,3 +663,23 @@ async def test_a_server_silent_after_its_headers_ends_the_attempt_saying_how_lon
     got, _ = await ask(port, provider, stream=stream, timeout_s=0.3)
     assert isinstance(got, ModelError) and got.kind == "unavailable" and got.retryable, got
     assert "the model server sent nothing for 0.3 s (timeout_s)" in got.message, got
+
+
+@pytest.mark.parametrize(("provider", "stream", "reply"), [
+    ("openai", True, events([sse({"id": "c", "choices": [], "usage": {"prompt_tokens": 3}}),
+                             b"data: [DONE]\n\n"])),
+    ("openai", False, body(json.dumps({"id": "c", "choices": [{"message": None}]}).encode())),
+    ("gemini", False, body(json.dumps({"candidates": [], "responseId": "r"}).encode())),
+    ("anthropic", False, body(json.dumps({"id": "m", "type": "message",
+                                          "content": []}).encode())),
+], ids=["chat-usage-only-stream", "chat-null-message", "gemini-no-candidates",
+        "anthropic-no-stop-reason"])
+async def test_an_empty_reply_with_no_finish_reason_is_asked_again(
+        server: tuple[RawServer, int], provider: str, stream: bool, reply: Reply) -> None:
+    # Nothing said and no reason given (a stream of only its usage, then [DONE]): the turn
+    # completed with an empty answer.
+    raw, port = server
+    raw.reply = reply
+    got, _ = await ask(port, provider, stream=stream)
+    assert isinstance(got, ModelError) and got.kind == "unavailable" and got.retryable, got
+    assert "the reply is empty, with no finish reason" in got.message
