@@ -205,6 +205,17 @@ def _refuse_empty(reply: ModelResponse, provider: str) -> None:
     raise ModelError("bad_request", f"the reply is empty: {what}", provider=provider)
 
 
+def _refuse_cut_calls(reply: ModelResponse, provider: str) -> None:
+    """Tool calls in a reply the token limit cut short are not run: the last one's
+    arguments may be a prefix (and some APIs hand a prefix over as a whole object), and
+    the same request would be cut the same way."""
+    if reply.tool_calls and reply.finish_reason == "length":
+        why = clip(str(reply.extra.get("stop_reason") or "length"), 60)
+        raise ModelError("bad_request", f"the model reached its token limit ({why}) in the "
+                         f"middle of its tool calls, so none of the {len(reply.tool_calls)} "
+                         "ran: raise the model's max_tokens", provider=provider)
+
+
 def _strings(value: Any) -> Iterator[str]:
     """Every string in a JSON-like value, keys included (as decoded: JSON's escapes
     would hide a control character inside the key)."""
@@ -316,6 +327,7 @@ async def send(client: httpx.AsyncClient, req: WireRequest, *, key: str | None,
                     reply = checked(decoder.result())
             _refuse_quoted_key(reply, key, req.provider)
             _refuse_empty(reply, req.provider)
+            _refuse_cut_calls(reply, req.provider)
             rest = guard.rest()
             if rest and on_delta is not None:
                 delivered = True

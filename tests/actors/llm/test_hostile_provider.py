@@ -683,3 +683,27 @@ async def test_an_empty_reply_with_no_finish_reason_is_asked_again(
     got, _ = await ask(port, provider, stream=stream)
     assert isinstance(got, ModelError) and got.kind == "unavailable" and got.retryable, got
     assert "the reply is empty, with no finish reason" in got.message
+
+
+@pytest.mark.parametrize(("provider", "reply"), [
+    ("openai", {"id": "c", "choices": [{"index": 0, "finish_reason": "length", "message": {
+        "content": None, "tool_calls": [{"id": "k1", "type": "function", "function": {
+            "name": "fs__delete", "arguments": '{"path": "/data/old'}}]}}]}),
+    ("openai-responses", {"id": "r", "status": "incomplete",
+                          "incomplete_details": {"reason": "max_output_tokens"}, "output": [
+                              {"type": "function_call", "call_id": "k1", "id": "fc_1",
+                               "name": "fs__delete", "arguments": '{"path": "/data/old'}]}),
+    # Anthropic hands over the cut input as an object: run, it would delete /data.
+    ("anthropic", {"id": "m", "type": "message", "stop_reason": "max_tokens", "content": [
+        {"type": "tool_use", "id": "k1", "name": "fs__delete", "input": {"path": "/data"}}]}),
+    ("gemini", {"candidates": [{"finishReason": "MAX_TOKENS", "content": {"parts": [
+        {"functionCall": {"name": "fs__delete", "args": {"path": "/data"}}}]}}]}),
+])
+async def test_tool_calls_the_token_limit_cut_short_are_not_run(
+        server: tuple[RawServer, int], provider: str, reply: Any) -> None:
+    raw, port = server
+    raw.reply = body(json.dumps(reply).encode())
+    got, _ = await ask(port, provider)
+    assert isinstance(got, ModelError) and got.kind == "bad_request", got
+    assert "token limit" in got.message and "none of the 1 ran" in got.message, got
+    assert "max_tokens" in got.message and not got.retryable
