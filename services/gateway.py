@@ -102,6 +102,8 @@ MAX_BODY: Final = 256 * 1024
 HEAD_TIMEOUT_S: Final = 10.0
 BODY_TIMEOUT_S: Final = 30.0
 MAX_CONNECTIONS: Final = 512
+# A stopping gateway drops an answer still unread after this (its reader reads no more).
+STALLED_AT_STOP_S: Final = 1.0
 # Event streams (server-sent events) open at once; more are refused (503).
 MAX_STREAMS: Final = 256
 ROLES: Final = ("client", "approver", "admin")
@@ -551,6 +553,18 @@ def guarded_protocol() -> type:
             super().on_response_complete()
             if self._head_timer is None and not self.transport.is_closing():
                 self._await_head()  # the next request on this connection, if any
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            # An answer whose reader stopped reading (an event stream to a laptop gone to
+            # sleep) waits for the socket forever: the stop would wait for it, then cancel
+            # it mid-way. Dropped instead, once it had a moment to drain.
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.loop.call_later(STALLED_AT_STOP_S, self._drop_if_stalled)
+
+        def _drop_if_stalled(self) -> None:
+            if self.flow.write_paused and not self.transport.is_closing():
+                self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -277,3 +278,34 @@ async def test_a_stopping_gateway_ends_its_streams_with_a_last_event_id_to_resum
     assert [e.event for e in events] == ["error"]
     assert events[0].data["code"] == "stopping"
     assert f"Last-Event-ID {last}" in events[0].data["error"]
+
+
+async def test_a_stopping_gateway_drops_a_stream_whose_reader_stopped_reading(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, sid: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A few MB of events, more than the socket buffers hold: the answer stalls.
+    for i in range(12):
+        await client.call(sid, [{"tool": "built-in:echo", "arguments": {
+            "text": "x" * 100_000}}], request_id=f"r-big-{i}", timeout=30)
+    gw, tokens = await _gateway(bus)
+    port = int(tokens["url"].rsplit(":", 1)[1])
+    # A reader that asks, then never reads (a laptop gone to sleep, a stuck proxy).
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(reader, ("127.0.0.1", port))
+        reader.send(f"GET /sessions/{sid}/events HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Authorization: Bearer {tokens['client']}\r\n\r\n".encode())
+        async with asyncio.timeout(20):
+            while not any(c.flow.write_paused  # noqa: ASYNC110  # no event to wait on
+                          for c in gw.server.server_state.connections):
+                await asyncio.sleep(0.02)
+        await gw.stop()
+    finally:
+        reader.close()
+    # The server's task ended by itself, not cancelled: no answer was left mid-way (which
+    # uvicorn logs as "Exception in ASGI application", with a traceback, when cancelled).
+    assert gw.task.done() and not gw.task.cancelled()
+    assert gw.server.config.app.state.streams.open_now == 0
+    assert "Exception in ASGI application" not in caplog.text
