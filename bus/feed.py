@@ -58,6 +58,7 @@ class _Ids(msgspec.Struct):
     turn_id: str | None = None
     call_id: str | None = None
     request_id: str | None = None
+    reason: str | None = None  # request.rejected's
 
 
 _ids = msgspec.json.Decoder(_Ids)
@@ -98,6 +99,7 @@ class SessionFeed:
         self._sub: Any = None
         self.stopped = False  # by `stop()`
         self.ended = False  # the turn followed has ended
+        self._began = False  # its `turn.requested` was read
 
     async def open(self) -> None:
         """Subscribe to the live events, and make sure the server has the subscription:
@@ -228,8 +230,15 @@ class SessionFeed:
         if self._turn is not None:
             if _turn_of(ids) != self._turn:
                 return None
-            if ids.type in _TURN_ENDS or ids.type == "request.rejected":
+            if ids.type == "turn.requested":
+                self._began = True
+            elif ids.type in _TURN_ENDS:
                 self.ended = True
+            elif ids.type == "request.rejected":
+                # The same request sent again (past NATS's duplicate window) is refused as
+                # a duplicate while its turn goes on: the end of a turn this feed saw begin
+                # is still to come; of one begun before it, the refusal is all it hears.
+                self.ended = ids.reason != "duplicate_request" or not self._began
         return FeedItem(seq, ids.type, data, subject)
 
 

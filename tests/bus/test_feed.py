@@ -12,6 +12,7 @@ from typing import Any
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.feed import SessionFeed
+from bus.subjects import request_subject
 from tests.conftest import REPO, toolbus_cmd
 
 ECHO: dict[str, Any] = {"tool": "built-in:echo", "arguments": {"text": "hi"}}
@@ -81,3 +82,26 @@ async def test_replay_follow_prints_the_timeline_then_each_event_as_it_is_stored
     assert [(line["seq"], line["subject"]) for line in first + second] == \
         [(e.seq, e.subject) for e in stored][:len(first) + len(second)]
     assert code == 130 and "Traceback" not in stderr, stderr
+
+
+async def test_a_request_sent_again_does_not_end_the_turn_followed(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    body = {"request_id": "r-again", "calls": [{"tool": "testing:sleep",
+                                                 "arguments": {"seconds": 1}}]}
+    got = []
+    async with client.follow(sid, turn_id="r-again") as feed:
+        sent = asyncio.create_task(client.call(sid, body["calls"], request_id="r-again",
+                                               timeout=30))
+        async with asyncio.timeout(30):
+            async for item in feed.items():
+                if item is None:
+                    continue
+                got.append(item)
+                if item.type == "call.started":
+                    # Sent again past NATS's duplicate window (as under another message
+                    # id): the session refuses it as a duplicate, and the turn goes on.
+                    await bus.js.publish(request_subject(sid), json.dumps(body).encode())
+        await sent
+    kinds = [i.type for i in got]
+    assert "request.rejected" in kinds, kinds
+    assert kinds[-1] == "turn.completed", kinds
