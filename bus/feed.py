@@ -7,7 +7,7 @@ Stored events are always read from the log, in order, after the last one read; t
 live copies (`toolbus.live.<sid>.>`) only say how far to read before the deltas that came
 after them. So nothing is skipped or given twice, whatever NATS drops on the way, events
 and deltas come in the order they were published, and a slow reader holds no queue of
-events (only of deltas, bounded). A feed that hears nothing for `QUIET_S` reads the log
+events (only of deltas, bounded). A feed that gives nothing for `QUIET_S` reads the log
 again, and says so (a reader may tell its own reader that it is alive).
 """
 
@@ -32,7 +32,7 @@ from schemas.ids import turn_id_for
 
 # Text deltas kept for a slow reader, per feed; more are dropped (they are live only).
 MAX_DELTAS: Final = 1024
-# A feed that hears nothing this long reads the log again (for a live copy NATS dropped).
+# A feed that gives nothing this long reads the log again (for a live copy NATS dropped).
 QUIET_S: Final = 15.0
 # Stored events read per direct get, and how long one may take.
 _PAGE: Final = 256
@@ -100,6 +100,7 @@ class SessionFeed:
         self.stopped = False  # by `stop()`
         self.ended = False  # the turn followed has ended
         self._began = False  # its `turn.requested` was read
+        self._quiet_at = 0.0  # when `items()` says it is quiet, if it gave nothing since
 
     async def open(self) -> None:
         """Subscribe to the live events, and make sure the server has the subscription:
@@ -161,6 +162,15 @@ class SessionFeed:
         """The session's events and deltas, in the order they were published, until the
         turn followed ends (if one is), `stop()`, or the caller stops iterating. None
         when nothing came for `quiet_s` (the log was read again meanwhile)."""
+        loop = asyncio.get_running_loop()
+        self._quiet_at = loop.time() + self._quiet_s
+        async for item in self._items():
+            # Quiet is what the reader hears: a turn followed in a busy session hears of
+            # the other turns' events, but is given none of them.
+            self._quiet_at = loop.time() + self._quiet_s
+            yield item
+
+    async def _items(self) -> AsyncIterator[FeedItem | None]:
         async for item in self._from_log(None):
             yield item
             if self.ended:
@@ -182,7 +192,7 @@ class SessionFeed:
                 return
             self._wake.clear()  # nothing can arrive between the loop above and this
             try:
-                async with asyncio.timeout(self._quiet_s):
+                async with asyncio.timeout_at(self._quiet_at):
                     await self._wake.wait()
             except TimeoutError:
                 yield None

@@ -105,3 +105,25 @@ async def test_a_request_sent_again_does_not_end_the_turn_followed(
     kinds = [i.type for i in got]
     assert "request.rejected" in kinds, kinds
     assert kinds[-1] == "turn.completed", kinds
+
+
+async def test_a_turn_followed_in_a_busy_session_still_says_it_is_alive(
+        client: ToolbusClient, sid: str) -> None:
+    # Another turn stores events all along: the feed hears of them, but gives none.
+    slow = [{"tool": "testing:sleep", "arguments": {"seconds": 2}}]
+    await client.call(sid, [ECHO], timeout=30)  # warm: the busy turns come without pause
+    said_alive = False
+    async with SessionFeed(client.bus, sid, turn_id="r-slow", quiet_s=0.5) as feed:
+        sent = asyncio.create_task(client.call(sid, slow, request_id="r-slow", timeout=30))
+
+        async def busy() -> None:
+            while not sent.done():
+                await client.call(sid, [ECHO], timeout=30)
+
+        others = asyncio.create_task(busy())
+        async with asyncio.timeout(30):
+            async for item in feed.items():
+                said_alive = said_alive or item is None
+        await sent
+        await others
+    assert feed.ended and said_alive, "a keep-alive while the turn followed was quiet"
