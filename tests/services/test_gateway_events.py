@@ -214,6 +214,10 @@ async def test_a_quiet_stream_sends_keep_alive_comments(
     ("/sessions/s%2A/events", {}, "session"),
     ("/sessions/s1/events", {"Last-Event-ID": "12x"}, "Last-Event-ID"),
     ("/sessions/s1/events", {"Last-Event-ID": "9" * 40}, "Last-Event-ID"),
+    # Past what NATS reads after: it would answer nothing, and the stream end with an
+    # `unavailable` error naming the same id to reconnect with.
+    ("/sessions/s1/events?after=18446744073709551615", {}, "after"),
+    ("/sessions/s1/events", {"Last-Event-ID": str(2**64 - 1)}, "Last-Event-ID"),
 ])
 async def test_a_bad_event_stream_request_is_refused_with_what_is_wrong(
         tokens: dict[str, str], path: str, headers: dict[str, str], message: str) -> None:
