@@ -34,6 +34,9 @@ from schemas.ids import turn_id_for
 MAX_DELTAS: Final = 1024
 # A feed that gives nothing this long reads the log again (for a live copy NATS dropped).
 QUIET_S: Final = 15.0
+# The largest stream sequence a feed starts after: NATS's are 64-bit, and it answers a
+# read from 2**64 on with nothing at all.
+MAX_SEQ: Final = 2**63 - 1
 # Stored events read per direct get, and how long one may take.
 _PAGE: Final = 256
 _READ_TIMEOUT_S: Final = 10.0
@@ -85,6 +88,8 @@ class SessionFeed:
         events after it come first). `turn_id`: only that turn's events, and the feed
         ends with its end. `quiet_s` (default `QUIET_S`): how long the feed waits for
         something before it reads the log again, and says so (`items()` gives None)."""
+        if not 0 <= after <= MAX_SEQ:
+            raise ValueError(f"after={after}: a stream sequence is 0 to {MAX_SEQ}")
         self._bus = bus
         self._sid = session_id
         self._last = after
@@ -100,6 +105,8 @@ class SessionFeed:
         self.stopped = False  # by `stop()`
         self.ended = False  # the turn followed has ended
         self._began = False  # its `turn.requested` was read
+        self._rewind = False  # to read the log from its start (and `_rewound`, it did)
+        self._rewound = False
         self._quiet_at = 0.0  # when `items()` says it is quiet, if it gave nothing since
 
     async def open(self) -> None:
@@ -223,6 +230,11 @@ class SessionFeed:
                     yield item
                     if self.ended:
                         return
+                if self._rewind:
+                    break
+            if self._rewind:
+                self._rewind, self._rewound, self._last = False, True, 0
+                continue
             if not batch or pending == 0:
                 return
 
@@ -244,12 +256,19 @@ class SessionFeed:
                 self._began = True
             elif ids.type in _TURN_ENDS:
                 self.ended = True
+            elif ids.type == "request.rejected" and ids.reason == "duplicate_request":
+                # The same request sent again (past NATS's duplicate window), refused as a
+                # duplicate: its turn is in the log, maybe still going on. A feed that did
+                # not see it begin reads the log again from the start, once, for it.
+                if self._began:
+                    return None
+                if not self._rewound:
+                    self._rewind = True
+                    return None
+                self.ended = True
             elif ids.type == "request.rejected":
-                # The same request sent again (past NATS's duplicate window) is refused as
-                # a duplicate while its turn goes on: the end of a turn this feed saw begin
-                # is still to come; of one begun before it, the refusal is all it hears.
-                self.ended = ids.reason != "duplicate_request" or not self._began
+                self.ended = True
         return FeedItem(seq, ids.type, data, subject)
 
 
-__all__ = ["MAX_DELTAS", "QUIET_S", "FeedItem", "SessionFeed"]
+__all__ = ["MAX_DELTAS", "MAX_SEQ", "QUIET_S", "FeedItem", "SessionFeed"]

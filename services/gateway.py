@@ -70,7 +70,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
 from bus.connection import Bus, as_bus_error
-from bus.feed import SessionFeed
+from bus.feed import MAX_SEQ, SessionFeed
 from bus.subjects import approval_subject
 from schemas.errors import (
     ConfigError,
@@ -106,9 +106,6 @@ MAX_CONNECTIONS: Final = 512
 STALLED_AT_STOP_S: Final = 1.0
 # Event streams (server-sent events) open at once; more are refused (503).
 MAX_STREAMS: Final = 256
-# The largest stream sequence an event stream starts after: NATS's are 64-bit, and a read
-# from 2**64 on is answered with nothing at all (the stream would end `unavailable`).
-_MAX_AFTER: Final = 2**63 - 1
 ROLES: Final = ("client", "approver", "admin")
 # Loopback names only: a browser reaching the gateway under any other name came through
 # someone else's DNS.
@@ -771,7 +768,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                  **_failures(403, 503)})
     async def events(sid: Sid, request: Request, role: AnyRole,
                      after: Annotated[int | None, Query(
-                         ge=0, le=_MAX_AFTER, description="start after this stream "
+                         ge=0, le=MAX_SEQ, description="start after this stream "
                          "sequence (default 0: the whole session); a `Last-Event-ID` header "
                          "wins")] = None,
                      turn: Annotated[str | None, Query(
@@ -786,7 +783,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         resume = request.headers.get("last-event-id")
         if resume is not None:
             if not (resume.isascii() and resume.isdigit() and len(resume) <= 20
-                    and int(resume) <= _MAX_AFTER):
+                    and int(resume) <= MAX_SEQ):
                 return _error(400, "Last-Event-ID is not an event id of this stream (a "
                                    "stream sequence, as its `id:` lines give)")
             after = int(resume)

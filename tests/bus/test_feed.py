@@ -9,10 +9,13 @@ import json
 import signal
 from typing import Any
 
+import pytest
+
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.feed import SessionFeed
 from bus.subjects import request_subject
+from schemas.events import RequestRejected
 from tests.conftest import REPO, toolbus_cmd
 
 ECHO: dict[str, Any] = {"tool": "built-in:echo", "arguments": {"text": "hi"}}
@@ -103,8 +106,27 @@ async def test_a_request_sent_again_does_not_end_the_turn_followed(
                     await bus.js.publish(request_subject(sid), json.dumps(body).encode())
         await sent
     kinds = [i.type for i in got]
-    assert "request.rejected" in kinds, kinds
-    assert kinds[-1] == "turn.completed", kinds
+    assert "request.rejected" not in kinds, kinds  # a refusal of no turn of its own
+    assert kinds[0] == "turn.requested" and kinds[-1] == "turn.completed", kinds
+    stored = await client.log.read_session(sid)
+    assert [e.event.reason for e in stored if isinstance(e.event, RequestRejected)] == \
+        ["duplicate_request"]
+
+
+async def test_a_request_sent_again_after_its_turn_is_followed_from_the_log(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    body = {"request_id": "r-done", "calls": [ECHO]}
+    await client.call(sid, body["calls"], request_id="r-done", timeout=30)
+    before = await client.log.read_session(sid)
+    # Followed from now on, as `POST ?stream=1` of the same request does: the request,
+    # sent again past NATS's duplicate window, is only refused as a duplicate; the feed
+    # then reads the turn from the log.
+    async with client.follow(sid, after=before[-1].seq, turn_id="r-done") as feed:
+        await bus.js.publish(request_subject(sid), json.dumps(body).encode())
+        async with asyncio.timeout(30):
+            got = [item async for item in feed.items() if item is not None]
+    assert [i.seq for i in got] == [e.seq for e in before]
+    assert got[-1].type == "turn.completed" and feed.ended
 
 
 async def test_a_turn_followed_in_a_busy_session_still_says_it_is_alive(
@@ -127,3 +149,10 @@ async def test_a_turn_followed_in_a_busy_session_still_says_it_is_alive(
         await sent
         await others
     assert feed.ended and said_alive, "a keep-alive while the turn followed was quiet"
+
+
+async def test_a_feed_after_no_stream_sequence_is_refused_at_once(
+        client: ToolbusClient, sid: str) -> None:
+    for after in (-1, 2**64 - 1):
+        with pytest.raises(ValueError, match="a stream sequence is 0 to"):
+            client.follow(sid, after=after)
