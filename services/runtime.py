@@ -388,6 +388,7 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
     exit_code = 0
     actors: list[Actor] = []
     gateway: _Gateway | None = None
+    web_bus: Bus | None = None
     scrape: MetricsServer | None = None
     lag: LagPoller | None = None
     try:
@@ -405,7 +406,11 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
             await _unless_stopped(stop, workers.start())
         actors = await _unless_stopped(stop, start_actors(bus, kinds, settings))
         if settings.http_port is not None:
-            gateway = await start_gateway(bus, settings.http_port,
+            # A connection of its own: what its readers pull (event streams, states) is
+            # sent on it, and a slow one of them cannot get the actors' cut off by the
+            # server as a slow consumer.
+            web_bus = await connect(url, name="toolbus-gateway")
+            gateway = await start_gateway(web_bus, settings.http_port,
                                           tokens=gateway_tokens or {},
                                           metrics=meter.scrape if meter is not None else None)
         if meter is not None:
@@ -446,6 +451,8 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
             await lag.stop()
         if gateway is not None:
             await gateway.stop()
+        if web_bus is not None:
+            await web_bus.close()
         await stop_actors(actors)
         if workers is not None:  # after the session actor: it dispatches no more calls
             await workers.stop()
