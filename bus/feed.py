@@ -104,6 +104,7 @@ class SessionFeed:
         self._sub: Any = None
         self.stopped = False  # by `stop()`
         self.ended = False  # the turn followed has ended
+        self._first_live: int | None = None  # the sequence of the first event heard live
         self._began = False  # its `turn.requested` was read
         self._rewind = False  # to read the log from its start (and `_rewound`, it did)
         self._rewound = False
@@ -154,6 +155,8 @@ class SessionFeed:
             # far the log is to be read before what came after it (one NATS dropped is
             # read all the same, at the next mark or tick).
             seq = int(seq_text)
+            if self._first_live is None:
+                self._first_live = seq
             if self._queue and isinstance(self._queue[-1], int):
                 self._queue[-1] = max(self._queue[-1], seq)
             else:
@@ -178,7 +181,9 @@ class SessionFeed:
             yield item
 
     async def _items(self) -> AsyncIterator[FeedItem | None]:
-        async for item in self._from_log(None):
+        # What was stored before the subscription, from the log; from the first event
+        # heard live on, in the order heard (the deltas heard meanwhile in their place).
+        async for item in self._from_log(None, before_live=True):
             yield item
             if self.ended:
                 return
@@ -208,9 +213,11 @@ class SessionFeed:
                     if self.ended:
                         return
 
-    async def _from_log(self, until: int | None) -> AsyncIterator[FeedItem]:
+    async def _from_log(self, until: int | None, *, before_live: bool = False
+                        ) -> AsyncIterator[FeedItem]:
         """The stored events after the last one read, up to `until` (None: all there
-        are), read from the log by direct gets."""
+        are; `before_live`: up to the first heard live), read from the log by direct
+        gets."""
         while until is None or self._last < until:
             try:
                 async with asyncio.timeout(_READ_TIMEOUT_S):
@@ -222,6 +229,9 @@ class SessionFeed:
                                       f"answer in {_READ_TIMEOUT_S:g} s") from None
             for seq, subject, data in batch:
                 if until is not None and seq > until:
+                    return
+                if before_live and self._first_live is not None and \
+                        seq >= self._first_live:
                     return
                 if seq <= self._last:
                     continue

@@ -156,3 +156,23 @@ async def test_a_feed_after_no_stream_sequence_is_refused_at_once(
     for after in (-1, 2**64 - 1):
         with pytest.raises(ValueError, match="a stream sequence is 0 to"):
             client.follow(sid, after=after)
+
+
+async def test_a_delta_heard_before_an_event_comes_before_it_though_the_log_has_both(
+        bus: Bus, client: ToolbusClient, sid: str) -> None:
+    delta = json.dumps({"type": "model.delta", "turn_id": "t0", "iteration": 1,
+                        "text": "early"}).encode()
+    async with SessionFeed(bus, sid) as feed:
+        # Heard live before the turn's events; by the time the feed first reads the log,
+        # the log has the whole turn.
+        await bus.nc.publish(f"toolbus.live.{sid}.model.delta", delta)
+        await client.call(sid, [ECHO], request_id="r-order", timeout=30)
+        got = []
+        async with asyncio.timeout(10):
+            async for item in feed.items():
+                if item is not None:
+                    got.append(item)
+                if item is not None and item.type == "turn.completed":
+                    break
+    assert got[0].type == "model.delta" and got[0].data == delta, got
+    assert [i.seq for i in got[1:]] == [e.seq for e in await client.log.read_session(sid)]
