@@ -1275,6 +1275,10 @@ class Planner:
         return sorted(self._partition_loops)
 
     async def _take(self, part: int) -> None:
+        # A session of this partition still in memory is from an earlier turn at it (kept
+        # then because it was being decided): it lacks what the owner since decided.
+        n = self._bus.partitions
+        self._states.forget(lambda sid: partition(sid, n) != part)
         subjects = tuple(type_filter(t, part) for t in _CONSUMED)
         self._partition_loops[part] = await self._kernel.attach(Inbox(
             ConsumerSpec(EVENTS_STREAM, f"planner-p{part}", subjects,
@@ -1353,6 +1357,10 @@ class Planner:
         sid = session_of(delivery.subject)
         if not is_token(sid):
             await delivery.ack()
+            return
+        if not self._owner.holds(partition(sid, self._bus.partitions)):
+            # Maybe another planner's now (this process was stopped or starved past its
+            # lease): left unacknowledged, it goes to the owner, whose state must fold it.
             return
         entry = await self._states.entry(sid, at_least=delivery.stream_seq)
         async with entry.lock:

@@ -512,6 +512,10 @@ class SessionActor:
         await self._kernel.stop(grace)
 
     async def _take(self, part: int) -> None:
+        # A session of this partition still in memory is from an earlier turn at it (kept
+        # then because it was being decided): it lacks what the owner since decided.
+        n = self._kernel.bus.partitions
+        self._states.forget(lambda sid: partition(sid, n) != part)
         self._partition_loops[part] = [
             await self._kernel.attach(Inbox(
                 ConsumerSpec(EVENTS_STREAM, f"session-events-p{part}",
@@ -550,6 +554,10 @@ class SessionActor:
         sid = session_of(delivery.subject)
         if not is_token(sid):
             await delivery.ack()
+            return
+        if not self._owner.holds(partition(sid, self._kernel.bus.partitions)):
+            # Maybe another process's now (this one was stopped or starved past its
+            # lease): left unacknowledged, it goes to the owner, whose state must fold it.
             return
         waiting = self._awaiting_rest.pop(sid, None)
         held: list[Delivery] = []

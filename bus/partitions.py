@@ -13,8 +13,13 @@ planner) share the partitions through leases in the `toolbus_partitions` bucket:
   messages come to them after the consumers' ack wait.
 
 A member consumes a partition only while it holds the lease. Two members can overlap for
-a moment (a lease expired under a process that was only slow); the per-session
-concurrency check of every append keeps that safe, as it keeps racing writers safe.
+a moment (a lease expired under a process that was only slow, or stopped); the
+per-session concurrency check of every append keeps their writes safe, as it keeps racing
+writers safe. Their states are another matter: a consumer's message acknowledged by one
+is never delivered to the other, whose state of that session then lacks the event for
+good. So a member handles a partition's messages only while `holds` it for sure (its
+lease written less than `LEASE_TTL_S` ago by its own clock), and giving partitions up
+(which waits for the messages in hand) runs beside the renewals, never holding them up.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import math
 import os
 import socket
+import time
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable
@@ -35,7 +41,7 @@ from nats.js.kv import KeyValue
 from bus.connection import Bus
 from bus.subjects import LEASES_BUCKET
 from bus.tasks import stop_task
-from schemas.defaults import LEASE_RENEW_S
+from schemas.defaults import LEASE_RENEW_S, LEASE_TTL_S
 
 log = logging.getLogger("toolbus.partitions")
 
@@ -61,11 +67,23 @@ class PartitionOwner:
         self._renew_s = renew_s
         self._kv: KeyValue | None = None
         self.owned: dict[int, int] = {}  # partition -> the revision of our lease
+        # partition -> until when (monotonic) its lease surely holds: the start of the
+        # round that last wrote it, plus the lease's TTL
+        self._sure_until: dict[int, float] = {}
+        # Partitions being given up: their messages in hand are still finishing.
+        self._releasing: dict[int, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
 
     @property
     def partitions(self) -> int:
         return self._partitions or self._bus.partitions
+
+    def holds(self, part: int) -> bool:
+        """Whether this member surely still holds `part`: its lease was written less than
+        `LEASE_TTL_S` ago. A process stopped or starved for longer may have lost it to
+        another member without knowing yet; a message it handled and acknowledged then
+        would be missing from the new owner's state."""
+        return time.monotonic() < self._sure_until.get(part, 0.0)
 
     def _lease(self, part: int) -> str:
         return f"{self._group}.p{part}"
@@ -82,8 +100,10 @@ class PartitionOwner:
         await stop_task(self._task)
         held = dict(self.owned)
         self.owned.clear()
+        self._sure_until.clear()
         for part in sorted(held):
             await self._on_release(part)
+        await asyncio.gather(*self._releasing.values(), return_exceptions=True)
         kv = self._kv
         if kv is None or not self._bus.nc.is_connected:
             return  # the leases expire by themselves
@@ -107,6 +127,8 @@ class PartitionOwner:
     async def _round(self) -> None:
         kv = self._kv
         assert kv is not None
+        # Every lease this round writes expires no sooner than this plus its TTL.
+        sure_until = time.monotonic() + LEASE_TTL_S
         await kv.put(f"{self._group}.m.{self._instance}", b"1")
         members = await self._members()
         want = math.ceil(self.partitions / max(members, 1))
@@ -114,6 +136,7 @@ class PartitionOwner:
             try:
                 self.owned[part] = await kv.update(self._lease(part), self._instance.encode(),
                                                    last=revision)
+                self._sure_until[part] = sure_until
             except nats.js.errors.KeyWrongLastSequenceError:
                 # The lease expired (the bus was away longer than its TTL: a cluster
                 # electing the bucket's leader). If nobody took it meanwhile, it is taken
@@ -122,6 +145,7 @@ class PartitionOwner:
                 try:
                     self.owned[part] = await kv.create(self._lease(part),
                                                        self._instance.encode())
+                    self._sure_until[part] = sure_until
                     log.warning("%s %s: lease of partition %d expired; taken again",
                                 self._group, self._instance, part)
                     continue
@@ -129,22 +153,23 @@ class PartitionOwner:
                     pass  # another member holds it now
                 log.warning("%s %s: lost partition %d", self._group, self._instance, part)
                 self.owned.pop(part, None)
-                await self._on_release(part)
+                self._release(part)
         for part in sorted(self.owned, reverse=True)[:max(len(self.owned) - want, 0)]:
-            await self._let_go(part)
+            self._release(part, revision=self.owned.pop(part))
         if len(self.owned) >= want:
             return
         # Free partitions, starting from a place of our own, so members spread out.
         start = zlib.crc32(self._instance.encode()) % self.partitions
         for i in range(self.partitions):
             part = (start + i) % self.partitions
-            if part in self.owned:
+            if part in self.owned or part in self._releasing:
                 continue
             try:
                 revision = await kv.create(self._lease(part), self._instance.encode())
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue  # held by another member
             self.owned[part] = revision
+            self._sure_until[part] = sure_until
             await self._on_acquire(part)
             if len(self.owned) >= want:
                 return
@@ -159,12 +184,26 @@ class PartitionOwner:
             return 1
         return max(1, sum(1 for k in keys if k.startswith(prefix)))
 
-    async def _let_go(self, part: int) -> None:
-        revision = self.owned.pop(part, None)
-        await self._on_release(part)
-        if revision is not None and self._kv is not None:
-            with contextlib.suppress(Exception):
-                await self._kv.delete(self._lease(part), last=revision)
+    def _release(self, part: int, *, revision: int | None = None) -> None:
+        """Give `part` up in the background: its messages in hand may take seconds to
+        finish (a model call), and the leases kept must be renewed meanwhile. A lease let
+        go (`revision`) is deleted once done, for another member to take at once."""
+        self._sure_until.pop(part, None)
+
+        async def release() -> None:
+            try:
+                await self._on_release(part)
+                if revision is not None and self._kv is not None:
+                    with contextlib.suppress(Exception):
+                        await self._kv.delete(self._lease(part), last=revision)
+            except Exception:  # the next round goes on; the lease expires by itself
+                log.exception("%s %s: giving partition %d up failed", self._group,
+                              self._instance, part)
+            finally:
+                self._releasing.pop(part, None)
+
+        self._releasing[part] = asyncio.create_task(
+            release(), name=f"release:{self._group}.p{part}")
 
 
 __all__ = ["PartitionOwner"]

@@ -76,6 +76,64 @@ async def test_members_share_the_partitions_and_take_over_those_of_a_dead_one(
     assert not [k for k in keys if k.startswith(f"{group}.")], keys
 
 
+async def test_a_slow_release_never_lets_the_leases_kept_lapse(bus: Bus) -> None:
+    """Giving a partition up waits for its messages in hand (a model call can take a
+    minute). Meanwhile the leases kept are renewed: were they not, a member joining would
+    take them while this one still consumes them."""
+    group = f"t-{uuid.uuid4().hex[:8]}"
+    gate = asyncio.Event()
+    a, b = _Member(bus, group, "a", 8), _Member(bus, group, "b", 8)
+    released: list[int] = []
+
+    async def slow_drop(part: int) -> None:
+        released.append(part)
+        async with asyncio.timeout(LEASE_TTL_S * 4):
+            await gate.wait()
+        a.held.discard(part)
+
+    a.owner._on_release = slow_drop
+    taken_by_b: set[int] = set()
+
+    async def b_take(part: int) -> None:
+        taken_by_b.add(part)
+        b.held.add(part)
+
+    b.owner._on_acquire = b_take
+    await a.owner.start()
+    await b.owner.start()
+    try:
+        await _until(lambda: len(released) == 4, timeout=5)
+        # Twice the leases' TTL with every release still in hand (time must pass here).
+        await asyncio.sleep(LEASE_TTL_S * 2)
+        kept = set(range(8)) - set(released)
+        assert taken_by_b.isdisjoint(kept), (taken_by_b, kept)
+        assert all(a.owner.holds(p) for p in kept)
+        assert not any(a.owner.holds(p) for p in released)
+        gate.set()
+        await _until(lambda: taken_by_b == set(released), timeout=5)
+    finally:
+        gate.set()
+        await b.owner.stop()
+        await a.owner.stop()
+
+
+async def test_a_member_whose_renewals_stall_stops_holding_its_partitions_for_sure(
+        bus: Bus) -> None:
+    """A process stopped or starved past its leases may have lost its partitions without
+    knowing: it no longer `holds` them, so it leaves their messages to the new owner."""
+    group = f"t-{uuid.uuid4().hex[:8]}"
+    a = _Member(bus, group, "a", 4)
+    await a.owner.start()
+    assert all(a.owner.holds(p) for p in range(4))
+    assert a.owner._task is not None
+    a.owner._task.cancel()  # the renewals stall; nothing is given up
+    took = await _until(lambda: not any(a.owner.holds(p) for p in range(4)),
+                        timeout=LEASE_TTL_S + 2)
+    assert took <= LEASE_TTL_S + 0.5, took
+    assert a.held == set(range(4))
+    await a.owner.stop()
+
+
 async def _calls(client: ToolbusClient, sessions: list[str]) -> list[Any]:
     return list(await asyncio.gather(*(
         client.call(sid, [{"tool": "built-in:echo", "arguments": {"sid": sid}}], timeout=60)
@@ -208,3 +266,4 @@ async def _writer(bus: Bus, seq: int) -> str | None:
 
     msg = await bus.js.get_msg(EVENTS_STREAM, seq, direct=True)
     return (msg.headers or {}).get(Header.WRITER.value)
+
