@@ -142,6 +142,8 @@ class _Watcher:
 
 # How long a request is published again while a cluster elects a stream leader.
 _FAILOVER_S = 15.0
+# How often a caller waiting for a turn's end looks whether its connection broke.
+_RECONNECT_CHECK_S = 0.5
 
 
 class ToolbusClient:
@@ -247,8 +249,9 @@ class ToolbusClient:
                         if refused is not None and isinstance(refused[1], RequestRejected):
                             return refused[1]
                 while True:
-                    ev = await fut
-                    if not (isinstance(ev, RequestRejected) and ev.reason == "duplicate_request"):
+                    ev = await self._live_end(fut)
+                    if ev is not None and not (isinstance(ev, RequestRejected)
+                                               and ev.reason == "duplicate_request"):
                         return await self._with_results(ev, watcher.results, full=full)
                     found = await self.find_end(session_id, turn_id, full=full)
                     if found is not None:
@@ -275,6 +278,19 @@ class ToolbusClient:
             watcher.waiting.pop(turn_id, None)
             for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
                 del watcher.results[call_id]
+
+    async def _live_end(self, fut: asyncio.Future[TurnEnd]) -> TurnEnd | None:
+        """The end `fut` is given from the live subject, or None once the connection came
+        back after a break: what the server republished meanwhile never reaches us (the
+        turn may have ended then), so the log is to be read."""
+        nc = self.bus.nc
+        reconnects = nc.stats["reconnects"]
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=_RECONNECT_CHECK_S)
+            if done:
+                return fut.result()
+            if nc.stats["reconnects"] != reconnects and nc.is_connected:
+                return None
 
     def follow(self, session_id: str, *, after: int = 0, turn_id: str | None = None
                ) -> SessionFeed:

@@ -1,17 +1,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from typing import Any
 
 import pytest
 
+from bus.client import ToolbusClient
 from bus.connection import Bus, connect
 from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer
 from bus.subjects import EVENTS_STREAM
 from schemas.errors import ConcurrencyError, ConnectError, PortInUseError
-from schemas.events import CallStarted
+from schemas.events import CallStarted, TurnCompleted
+from tests.conftest import EventWatch, of_type
 
 
 def _turn(sid: str, n: int) -> CallStarted:
@@ -142,7 +146,6 @@ async def test_a_request_the_stream_never_acknowledges_is_named_as_such(tmp_path
     # Something answers on the requests subject but no stream stores it (a server without
     # toolbus's streams): the client says the stream did not acknowledge, at once, not
     # "no result within 60 s".
-    from bus.client import ToolbusClient
     from bus.server import free_port
     from schemas.errors import BusTimeoutError
     server = EmbeddedServer(tmp_path, port=free_port(), auth=False).start()
@@ -200,3 +203,63 @@ async def test_closing_once_the_server_stopped_answering_raises_no_cancellation(
     with pytest.raises(asyncio.CancelledError):
         await task
     await real_close()
+
+
+class _Proxy:
+    """A TCP relay to a NATS server that can cut its clients off for a while."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in list(self._writers):
+            w.close()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+
+async def test_a_turn_that_ends_while_the_clients_connection_is_away_is_read_from_the_log(
+        bus: Bus, system: dict[str, Any], nats_url: str, sid: str) -> None:
+    """The end of a turn reaches a waiting client on the live subject, which the server
+    does not keep: one that ended while the connection was away is read from the log once
+    it is back, instead of the call waiting out its whole timeout."""
+    proxy = _Proxy(int(nats_url.rsplit(":", 1)[1]))
+    await proxy.open()
+    far = await connect(nats_url.rsplit(":", 1)[0] + f":{proxy.port}", name="far-client")
+    client = ToolbusClient(far)
+    try:
+        async with EventWatch(bus, sid) as watch:
+            calling = asyncio.create_task(client.call(
+                sid, [{"tool": "testing:sleep", "arguments": {"seconds": 0.5}}], timeout=30))
+            await watch.until(lambda evs: bool(of_type(evs, "call.started")), timeout=10)
+            await proxy.cut()
+            await watch.until(lambda evs: bool(of_type(evs, "turn.completed")), timeout=10)
+        await proxy.open()  # the same port: the client reconnects
+        end = await asyncio.wait_for(calling, 10)
+        assert isinstance(end, TurnCompleted) and end.ok, end
+    finally:
+        await client.close()
+        await far.close()
+        await proxy.cut()
