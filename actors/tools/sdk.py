@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import importlib
 import importlib.util
 import inspect
 import re
 import sys
+import threading
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -64,6 +66,39 @@ from schemas.tools import (
     RiskLevel,
     ToolSpec,
 )
+
+
+async def in_thread(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str) -> Any:
+    """`fn(**kwargs)` in a thread of its own, so that a slow sync tool never blocks the
+    event loop. Not the loop's shared pool (`asyncio.to_thread`): a thread cannot be
+    killed, so one a call timed out on is left running, and a few such (6 on 2 cores)
+    would take every thread of the pool, after which no sync tool of the process ran at
+    all, and closing the loop waited for them, so Ctrl-C never ended `toolbus up`. A
+    daemon thread of its own holds up neither."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if done.done():
+            return  # the call timed out, or was cancelled, while this ran
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = context.run(fn, **kwargs), None
+        except Exception as exc:  # handed to the awaiting call
+            value, error = None, exc
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the call's, not ours
+            value, error = None, RuntimeError(f"{name} raised {type(exc).__name__}: {exc}")
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name=f"tool {name}", daemon=True).start()
+    return await done
 
 
 class ToolError(ToolbusError):
@@ -199,9 +234,7 @@ class LocalTool:
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**kwargs)
         else:
-            # Sync tools run in a worker thread so one slow tool never blocks the loop. A
-            # thread cannot be killed: on timeout the call fails and the thread is left.
-            result = await asyncio.to_thread(self.fn, **kwargs)
+            result = await in_thread(self.fn, kwargs, name=self.spec.name)
             if inspect.isawaitable(result):
                 result = await result
         try:

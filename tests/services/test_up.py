@@ -337,3 +337,25 @@ async def test_a_dead_worker_is_restarted_and_a_killed_parent_leaves_no_process_
                 in up.stderr_after_exit())
     finally:
         up.stop()
+
+
+async def test_ctrl_c_ends_toolbus_up_while_a_sync_tool_it_gave_up_on_still_runs(
+        tmp_path: Path) -> None:
+    tools = tmp_path / "stuck.py"
+    tools.write_text(
+        "import time\nfrom actors.tools import tool\n\n"
+        "@tool('stuck:forever', read_only=True, timeout_ms=300)\n"
+        "def forever() -> dict:\n    time.sleep(3600)\n    return {}\n")
+    up = Proc("up", "--port", str(free_port()), "--data-dir", str(tmp_path / "data"),
+              "--tools", str(tools), "--workers", "1", ready="stop:")
+    try:
+        await up.wait_ready()
+        url = role_url(tmp_path / "data", "client")
+        out = await asyncio.to_thread(run_toolbus, "call", "stuck:forever", "{}",
+                                      "--nats", url)
+        assert "timeout" in out.stderr, out.stderr
+    finally:
+        # Closing the event loop waited for the thread of the call it timed out on, an
+        # hour here: Ctrl-C never ended the process.
+        code = up.stop(signal.SIGINT, timeout=30)
+    assert code == 0, up.stderr_tail[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 import uuid
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from actors.executor import Executor
 from actors.tools import load_tools, tool
+from actors.tools.sdk import in_thread
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus
@@ -202,3 +204,41 @@ async def test_a_call_queued_for_an_instance_that_is_gone_fails_instead_of_waiti
     out = await queued  # the approval actor's janitor ends it
     assert out.status == "failed" and out.error.error_type == "instance_unavailable"
     assert out.error.retryable and "doomed-1" in out.error.message
+
+
+async def test_sync_tools_left_running_past_their_timeout_never_hold_up_the_next(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    release = threading.Event()
+
+    @tool("stuck:wait", read_only=True, timeout_ms=200)
+    def wait() -> dict[str, bool]:
+        return {"released": release.wait(30)}
+
+    @tool("stuck:quick", read_only=True, timeout_ms=5_000)
+    def quick() -> dict[str, bool]:
+        return {"ok": True}
+
+    pool = f"stuck{uuid.uuid4().hex[:6]}"
+    ex = Executor(bus, [wait, quick], instance=f"x-{pool}", pool=pool, ack_wait_s=5.0)
+    await ex.start()
+    try:
+        # More than asyncio's shared pool has threads (min(32, cores + 4)): they filled
+        # it, and no sync tool of the process ran again.
+        stuck = await asyncio.gather(*(
+            _call(client, f"{sid}-{i}", "stuck:wait", {}, _delegate=pool)
+            for i in range(12)))
+        assert {o.error.error_type for o in stuck} == {"timeout"}, stuck
+        out = await _call(client, sid, "stuck:quick", {}, _delegate=pool)
+        assert out.status == "succeeded" and out.result == {"ok": True}, out
+    finally:
+        release.set()
+        await ex.stop()
+
+
+async def test_a_sync_tool_that_exits_fails_its_call_and_not_its_executor() -> None:
+    def leave() -> None:
+        raise SystemExit(3)
+
+    with pytest.raises(RuntimeError, match="raised SystemExit"):
+        await in_thread(leave, {}, name="t:leave")
+    assert await in_thread(lambda x: x + 1, {"x": 1}, name="t:add") == 2
