@@ -695,7 +695,11 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
 
     @app.post("/sessions/{sid}/requests", status_code=202, response_model=Accepted,
               summary="Submit a request", openapi_extra=_body("ToolRequest"),
-              responses=_failures(403, 413, 415, 503))
+              responses={200: {"content": {"text/event-stream": {"schema": {
+                  "type": "string"}}}, "description": "with ?stream=1: the turn's events "
+                  "as server-sent events (as GET /sessions/{sid}/events?turn=), the first "
+                  "`request.accepted`, the last the turn's end"},
+                  **_failures(403, 413, 415, 503)})
     async def submit(sid: Sid, request: Request, role: AnyRole, stream: Annotated[
             str | None, Query(description="1 or true: answer with the turn's events as "
                               "server-sent events (as GET /sessions/{sid}/events?turn=), "
