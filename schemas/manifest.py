@@ -51,11 +51,12 @@ from pydantic import (
     model_validator,
 )
 
-from schemas.errors import InvalidIdError, ManifestError
+from schemas.errors import ConfigError, InvalidIdError, ManifestError
 from schemas.ids import check_namespace, split_tool_name
 from schemas.policy import DEFAULT_AGENT, DEFAULT_SIDE_EFFECT_PATTERNS, Policy
 from schemas.requests import json_values
 from schemas.tools import DEFAULT_POOL
+from schemas.validation import Validator
 
 HttpMethod = Literal["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"]
 BUILTIN_NAMES = ("echo", "current_time")
@@ -460,6 +461,10 @@ def _json_schema(v: dict[str, Any]) -> dict[str, Any]:
     except (jsonschema_rs.ValidationError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"not a valid JSON Schema: {first}") from exc
+    try:
+        Validator(v)  # refused as the planner would refuse it: too costly to check
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
     return v
 
 

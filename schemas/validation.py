@@ -14,16 +14,20 @@ copy of it. Nested objects are reached through `properties`, not through combina
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import unquote, urldefrag, urljoin
 
 import jsonschema_rs
 
+from schemas.defaults import MAX_JSON_DEPTH
 from schemas.errors import ConfigError
 from schemas.tools import ToolSpec
 
 MAX_VIOLATIONS: Final = 20
+# Subschemas applied at one place of a value, at most (see `_costly`).
+MAX_SCHEMA_APPLICATIONS: Final = 10_000
 
 _Filler = Callable[[dict[str, Any]], None]
 
@@ -63,6 +67,9 @@ class Validator:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else \
                 type(exc).__name__
             raise ConfigError(f"invalid JSON Schema: {first}") from exc
+        costly = _costly(schema)
+        if costly is not None:
+            raise ConfigError(f"JSON Schema {costly}")
         self.schema = schema
         self._fill = _compile_filler(schema)
 
@@ -96,6 +103,245 @@ def describe(violations: list[Violation], what: str) -> str:
     more = " (first 20 shown)" if len(violations) >= MAX_VIOLATIONS else ""
     n = len(violations)
     return f"{what}: {n} violation{'s' if n != 1 else ''}{more}: {lines}"
+
+
+# --- the cost of a schema ------------------------------------------------------------------
+#
+# jsonschema-rs walks every path through a schema, and `$ref` lets one subschema be reached
+# along many: two branches of an `anyOf` that name the same definition, one level after
+# another, double the checks (and the error lists it builds) with each level, and a schema
+# of 2 KB takes longer than anyone waits, growing by gigabytes. So before a schema is used,
+# the subschemas applied at each place of a value are counted, place by place down to the
+# deepest value toolbus decodes, and a schema that would apply more than
+# MAX_SCHEMA_APPLICATIONS at one place is refused. Places are told apart as a value tells
+# them apart (a property's name, an item's index), so recursive schemas (trees, lists of
+# nodes) count one application per place and stay usable.
+
+_IN_PLACE: Final = ("not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef")
+_IN_PLACE_LISTS: Final = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_MAPS: Final = ("dependentSchemas", "dependencies")
+_ANY_KEY: Final = ("additionalProperties", "unevaluatedProperties")
+_ANY_ITEM: Final = ("contains", "unevaluatedItems")
+_META_SCHEMAS: Final = ("https://json-schema.org/", "http://json-schema.org/")
+# Steps the count itself may take (a subschema looked at in one place), so that counting
+# a hostile schema is no slower than a large honest one.
+_MAX_COUNTING_STEPS: Final = 20 * MAX_SCHEMA_APPLICATIONS
+
+
+_TOO_LARGE: Final = "too costly to check: too large to count its checks; write it smaller"
+
+
+class _Uncounted(Exception):
+    """A schema whose checks cannot be counted (its message says why)."""
+
+
+class _Graph:
+    """A schema's subschemas (by `id`) and how `$ref`s reach them."""
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.resources: dict[str, Any] = {"": root}
+        self.anchors: dict[tuple[str, str], Any] = {}
+        self.dynamic: dict[str, list[Any]] = {}
+        self.base: dict[int, str] = {}
+        self.nodes: dict[int, dict[str, Any]] = {}
+        self._register(root, "")
+
+    def _register(self, node: Any, base: str) -> None:
+        stack = [(node, base)]
+        while stack:
+            item, uri = stack.pop()
+            if isinstance(item, list):
+                stack.extend((v, uri) for v in item)
+                continue
+            if not isinstance(item, dict):
+                continue
+            if isinstance(item.get("$id"), str):
+                uri = urldefrag(urljoin(uri, item["$id"]))[0]
+                self.resources.setdefault(uri, item)
+            self.base[id(item)] = uri
+            self.nodes[id(item)] = item
+            if isinstance(item.get("$anchor"), str):
+                self.anchors[(uri, item["$anchor"])] = item
+            for key in ("$dynamicAnchor", "$recursiveAnchor"):
+                if isinstance(item.get(key), str | bool):
+                    self.dynamic.setdefault(key, []).append(item)
+                    if key == "$dynamicAnchor":
+                        self.anchors.setdefault((uri, item[key]), item)
+            stack.extend((v, uri) for v in item.values())
+
+    def resolve(self, node: dict[str, Any], key: str) -> list[Any]:
+        ref = node[key]
+        if not isinstance(ref, str):
+            return []
+        uri, fragment = urldefrag(urljoin(self.base.get(id(node), ""), ref))
+        found: Any = self.resources.get(uri)
+        if found is not None and fragment.startswith("/"):
+            for part in unquote(fragment).split("/")[1:]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(found, dict) and part in found:
+                    found = found[part]
+                elif isinstance(found, list) and part.isdigit() and int(part) < len(found):
+                    found = found[int(part)]
+                else:
+                    found = None
+                    break
+        elif found is not None and fragment:
+            found = self.anchors.get((uri, fragment))
+        if found is None and uri.startswith(_META_SCHEMAS) and uri not in self.resources:
+            return []  # one jsonschema-rs holds (offline: nothing else compiles), bounded
+        if found is None:
+            raise _Uncounted(f"not usable: toolbus cannot follow its $ref {ref!r} to "
+                             "count the checks it leads to; refer to a definition of this "
+                             "schema (#/$defs/name)")
+        # A dynamic reference may land on any subschema that declares the anchor.
+        extra = self.dynamic.get("$dynamicAnchor" if key == "$dynamicRef" else
+                                 "$recursiveAnchor", []) if key != "$ref" else []
+        return [found, *extra]
+
+    def in_place(self, node: dict[str, Any]) -> Iterator[Any]:
+        """The subschemas applied to the same value as `node`, once per way."""
+        for key in _IN_PLACE:
+            if key in node:
+                yield from (self.resolve(node, key) if key.startswith("$") else [node[key]])
+        for key in _IN_PLACE_LISTS:
+            if isinstance(node.get(key), list):
+                yield from node[key]
+        for key in _IN_PLACE_MAPS:
+            if isinstance(node.get(key), dict):
+                yield from node[key].values()
+
+
+def _schemas(node: dict[str, Any], *keys: str) -> list[Any]:
+    return [node[k] for k in keys if isinstance(node.get(k), dict | bool)]
+
+
+def _tuple(node: dict[str, Any]) -> list[Any]:
+    items = node.get("prefixItems", node.get("items"))
+    return items if isinstance(items, list) else []
+
+
+def _add(into: dict[int, int], schemas: list[Any], n: int) -> None:
+    for sub in schemas:
+        if isinstance(sub, dict):
+            into[id(sub)] = into.get(id(sub), 0) + n
+
+
+def _below(graph: _Graph, applied: dict[int, int], budget: int
+           ) -> tuple[list[dict[int, int]], int]:
+    """The subschemas entered at each place one level down that these tell apart (each
+    property they name, any other key, each tuple index, any other item, a key's name),
+    with how many times, and the steps that took. Every pattern of `patternProperties`
+    counts as matching: none is run here (a pattern can backtrack for ages)."""
+    any_key: dict[int, int] = {}
+    named: dict[str, dict[int, int]] = {}  # what a property adds to, or takes from, any key
+    any_item: dict[int, int] = {}
+    indexed: list[dict[int, int]] = []
+    key_name: dict[int, int] = {}
+    for key, n in applied.items():
+        node = graph.nodes[key]
+        patterns = node.get("patternProperties")
+        _add(any_key, list(patterns.values()) if isinstance(patterns, dict) else [], n)
+        extra = _schemas(node, *_ANY_KEY)
+        _add(any_key, extra, n)
+        props = node.get("properties")
+        for name, sub in (props.items() if isinstance(props, dict) else ()):
+            _add(named.setdefault(name, {}), [sub], n)
+            _add(named[name], extra, -n)  # a named key is not an additional one
+        rest = _schemas(node, "items") or _schemas(node, "additionalItems")
+        _add(any_item, rest + _schemas(node, *_ANY_ITEM), n)
+        for i, sub in enumerate(_tuple(node)):
+            if i == len(indexed):
+                indexed.append({})
+            _add(indexed[i], [sub], n)
+            _add(indexed[i], rest, -n)
+        _add(key_name, _schemas(node, "propertyNames"), n)
+    # Each named place starts from any key's, each index from any item's: count first.
+    steps = len(applied) + sum(len(any_key) + len(c) for c in named.values()) + \
+        sum(len(any_item) + len(c) for c in indexed)
+    if steps > budget:
+        raise _Uncounted(_TOO_LARGE)
+    places = [any_key, any_item, key_name]
+    for base, changes in ((any_key, named.values()), (any_item, indexed)):
+        for change in changes:
+            place = dict(base)
+            for k, n in change.items():
+                place[k] = place.get(k, 0) + n
+            places.append(place)
+    return [{k: n for k, n in place.items() if n > 0} for place in places], steps
+
+
+def _apply(graph: _Graph, entry: dict[int, int], budget: int) -> tuple[dict[int, int], int]:
+    """How many times each subschema is applied at one place, given those entered there,
+    and the steps that took: along `in_place` edges, in topological order (a cycle is cut
+    where it closes: the validator stops there too)."""
+    order: list[int] = []
+    state: dict[int, bool] = {}  # True while on the stack
+    edges: dict[int, list[int]] = {}
+    for start in entry:
+        if start in state:
+            continue
+        state[start] = True
+        stack = [(start, graph.in_place(graph.nodes[start]))]
+        while stack:
+            key, todo = stack[-1]
+            sub = next(todo, None)
+            if sub is None:
+                stack.pop()
+                state[key] = False
+                order.append(key)
+            elif isinstance(sub, dict) and not state.get(id(sub)):
+                edges.setdefault(key, []).append(id(sub))
+                budget -= 1
+                if budget < 0:
+                    raise _Uncounted(_TOO_LARGE)
+                if id(sub) not in state:
+                    state[id(sub)] = True
+                    stack.append((id(sub), graph.in_place(sub)))
+    counts = dict(entry)
+    steps = len(order)
+    for key in reversed(order):
+        for sub in edges.get(key, ()):
+            counts[sub] = counts.get(sub, 0) + counts.get(key, 0)
+            steps += 1
+    return {k: n for k, n in counts.items() if n}, steps
+
+
+def _costly(schema: dict[str, Any]) -> str | None:
+    """Why checking a value against `schema` could take too long ("too costly to
+    check: ..."), or None."""
+    try:
+        return _count(_Graph(schema))
+    except _Uncounted as exc:
+        return str(exc)
+
+
+def _count(graph: _Graph) -> str | None:
+    root = id(graph.resources[""])
+    level: dict[frozenset[int], dict[int, int]] = {frozenset({root}): {root: 1}}
+    steps = 0
+    for depth in range(MAX_JSON_DEPTH + 1):
+        merged: dict[frozenset[int], dict[int, int]] = {}
+        for entry in level.values():
+            applied, taken = _apply(graph, entry, _MAX_COUNTING_STEPS - steps)
+            steps += taken
+            if sum(applied.values()) > MAX_SCHEMA_APPLICATIONS:
+                where = "the value itself" if depth == 0 else f"{depth} levels down"
+                return (f"too costly to check: it applies over {MAX_SCHEMA_APPLICATIONS:,} "
+                        f"subschemas to one place of a value ({where}): a $ref reached by "
+                        "several branches, level after level, multiplies the checks; name "
+                        "each definition from one branch, or write the schema out")
+            places, taken = _below(graph, applied, _MAX_COUNTING_STEPS - steps)
+            steps += taken
+            for child in places:
+                if child:  # places with the same subschemas: the most of each, a bound
+                    steps += len(child)
+                    same = merged.setdefault(frozenset(child), {})
+                    for key, n in child.items():
+                        same[key] = max(n, same.get(key, 0))
+        if not merged or merged == level:
+            return None
+        level = merged
+    return None
 
 
 def _compile_filler(schema: dict[str, Any]) -> _Filler | None:

@@ -3,6 +3,7 @@ formats. Pure functions, no bus."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import jsonschema_rs
@@ -80,6 +81,62 @@ def test_a_schema_that_refers_outside_itself_is_refused_never_fetched(ref: str) 
     # What a schema holds itself, and the meta-schemas, still resolve.
     local = Validator({"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a"})
     assert local.violations("x") == [] and local.violations(1)
+
+
+def _doubling(levels: int, combinator: str) -> dict:
+    """Each definition names the next from two branches: 2 KB, 2**levels paths."""
+    defs = {f"a{i}": {combinator: [{"$ref": f"#/$defs/a{i + 1}"},
+                                   {"$ref": f"#/$defs/a{i + 1}", "minimum": -i - 1}]}
+            for i in range(levels)}
+    return {"$defs": {**defs, f"a{levels}": {"type": "integer"}}, "$ref": "#/$defs/a0"}
+
+
+# Two branches that both go on to the same place in the value, level after level.
+_DOUBLING_PER_LEVEL = {"$defs": {"n": {"anyOf": [
+    {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}},
+    {"type": "object", "minProperties": 1, "properties": {"c": {"$ref": "#/$defs/n"}}}]}},
+    "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("schema", [_doubling(30, "oneOf"), _doubling(30, "anyOf"),
+                                    _doubling(30, "allOf"), _DOUBLING_PER_LEVEL],
+                         ids=["oneOf", "anyOf", "allOf", "per-level"])
+def test_a_schema_whose_checks_multiply_is_refused_before_any_value_is_checked(
+        schema: dict) -> None:
+    # A client's think schema of 2.4 KB like the first kept the planner's process (and
+    # with it the gateway and the session actor of `toolbus up`) busy for good, growing by
+    # gigabytes, once the model answered: jsonschema-rs walks every path.
+    with pytest.raises(ConfigError, match="too costly to check"):
+        Validator(schema)
+    body = {"message": "hi", "think": {"id": "t", "instruction": "x",
+                                       "output_schema": schema}}
+    with pytest.raises(InvalidRequestError, match=r"think\[0\]\.output_schema: .*too "
+                                                  "costly"):
+        parse_request(json.dumps(body).encode())
+    # A manifest's is refused at boot, naming its key path, not when the planner starts.
+    manifest = {"agent_config": {"output_schema": schema}}
+    with pytest.raises(ManifestError, match=r"agent_config.output_schema: .*too costly"):
+        parse_manifest(json.dumps(manifest), env={})
+
+
+def test_recursive_and_shared_definitions_stay_usable() -> None:
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "left": {"$ref": "#/$defs/node"}, "right": {"$ref": "#/$defs/node"},
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}
+    deep: dict = {}
+    for _ in range(60):
+        deep = {"left": deep, "right": {"children": [deep]}}
+    assert Validator(tree).violations(deep) == []
+    assert Validator(tree).violations({"left": {"right": 1}})
+    person = {"type": "object", "properties": {"home": {"$ref": "#/$defs/address"},
+                                               "work": {"$ref": "#/$defs/address"}}}
+    shared = {"$defs": {"address": {"type": "object", "properties": {
+        "street": {"type": "string"}}}, "person": person},
+        "type": "object", "properties": {f"p{i}": {"$ref": "#/$defs/person"}
+                                         for i in range(200)}}
+    assert Validator(shared).violations({"p1": {"home": {"street": 1}}})
+    assert Validator(_doubling(8, "anyOf")).violations(1) == []
 
 
 def test_a_spec_round_trips_through_its_json_schema_form() -> None:
