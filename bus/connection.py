@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -73,7 +75,7 @@ class Bus:
     # actors/kernel.py). Set by `provision`.
     replicated: bool = False
     # Requests waiting on a subject: failed at once if NATS denies publishing to it.
-    _waiting: dict[str, set[asyncio.Future[bytes]]] = field(default_factory=dict)
+    _waiting: dict[str, set[asyncio.Future[Any]]] = field(default_factory=dict)
 
     @property
     def principal(self) -> str:
@@ -93,16 +95,31 @@ class Bus:
                     f"NATS denies the {self.principal} role publishing to {subject}: "
                     "connect with the credentials of a role that may (bus/auth.py)"))
 
+    @contextlib.contextmanager
+    def fails_if_denied(self, subject: str, waiter: asyncio.Future[Any]) -> Iterator[None]:
+        """While inside, `waiter` fails with `PermissionDeniedError` at once if NATS denies
+        this connection publishing to `subject` (the server says so on its own, never to
+        the request, which would wait out its timeout)."""
+        key = subject.lower()
+        self._waiting.setdefault(key, set()).add(waiter)
+        try:
+            yield
+        finally:
+            waiting = self._waiting.get(key)
+            if waiting is not None:
+                waiting.discard(waiter)
+                if not waiting:
+                    del self._waiting[key]
+
     async def request(self, subject: str, data: bytes, *, timeout: float,
                       who: str = "an actor") -> bytes:
         """Core request/reply, with NATS errors mapped to ours (`PermissionDeniedError`
         at once when the role may not publish there)."""
         denied: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        key = subject.lower()
-        self._waiting.setdefault(key, set()).add(denied)
         reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout))
         try:
-            await asyncio.wait((reply, denied), return_when=asyncio.FIRST_COMPLETED)
+            with self.fails_if_denied(subject, denied):
+                await asyncio.wait((reply, denied), return_when=asyncio.FIRST_COMPLETED)
             if denied.done():
                 reply.cancel()
                 return denied.result()  # raises PermissionDeniedError
@@ -112,11 +129,6 @@ class Bus:
         except nats.errors.TimeoutError as exc:
             raise BusTimeoutError(f"no answer on {subject} within {timeout:g} s") from exc
         finally:
-            waiting = self._waiting.get(key)
-            if waiting is not None:
-                waiting.discard(denied)
-                if not waiting:
-                    del self._waiting[key]
             if not reply.done():
                 reply.cancel()
         return bytes(msg.data)

@@ -55,9 +55,10 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int
     sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=4 * size)
     try:
         req = {"seq": start, "next_by_subj": filt, "batch": size}
-        await nc.publish(f"$JS.API.DIRECT.GET.{stream}",
-                         json.dumps(req).encode(), reply=inbox)
-        pending = await done
+        subject = f"$JS.API.DIRECT.GET.{stream}"
+        with bus.fails_if_denied(subject, done):  # a role that may not read this stream
+            await nc.publish(subject, json.dumps(req).encode(), reply=inbox)
+            pending = await done
     finally:
         await sub.unsubscribe()
     return batch, pending

@@ -329,6 +329,16 @@ async def test_a_client_reads_a_long_session_and_a_large_result_by_direct_gets(
     assert await ArtifactStore(client_bus).read(ref) == data
 
 
+async def test_a_bucket_the_role_may_not_read_is_refused_at_once(client_bus: Bus) -> None:
+    # `toolbus approvals` (or approve) with the client's URL, $NATS_URL as set for `toolbus
+    # call`, waited 30 s for the direct get NATS had refused, then blamed a timeout.
+    from bus.approvals import ApprovalStore
+
+    async with asyncio.timeout(5):
+        with pytest.raises(PermissionDeniedError, match="denies the client role"):
+            await ApprovalStore(client_bus).load()
+
+
 @pytest.mark.parametrize("content", ["{garbage", '["x"]'])
 def test_a_damaged_secrets_file_is_one_clear_line(tmp_path: Path, content: str) -> None:
     (tmp_path / "auth").mkdir()
