@@ -51,7 +51,7 @@ try:
         is_token,
         turn_id_for,
     )
-    from schemas.requests import strip_controls
+    from schemas.requests import MAX_MESSAGE_BYTES, strip_controls
     from schemas.state import SessionState, encode_state, fold
     from services.config import (
         ActorSettings,
@@ -518,6 +518,20 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
+def _unsendable(text: str) -> str | None:
+    """Why a chat message cannot be sent ("MESSAGE is ..."), or None: said before it is, as
+    NATS would refuse one over its payload limit with no word of what was too large."""
+    if not _is_utf8(text):
+        return "not valid UTF-8 text"
+    if not text.strip():
+        return "empty: say something (or give no MESSAGE, to chat a line at a time)"
+    size = len(text.encode())
+    if size > MAX_MESSAGE_BYTES:
+        return (f"{size} bytes; the limit is {MAX_MESSAGE_BYTES}: send a large input by "
+                "reference (a path or URL), or hand it over with `toolbus inject`")
+    return None
+
+
 class _StdinLines:
     """Lines of stdin, read from its descriptor on a daemon thread: Ctrl-C at the prompt
     ends the command at once, where a thread of the loop's executor, still blocked in the
@@ -592,6 +606,9 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         f"chat-{uuid.uuid4().hex[:12]}"
     if args.agent is not None:
         check_agent_name(args.agent)
+    if args.message is not None and (problem := _unsendable(args.message)) is not None:
+        print(f"toolbus: MESSAGE is {problem}", file=sys.stderr)
+        return EXIT_USAGE
     bus = await connect(url, name="toolbus-chat")
     client = ToolbusClient(bus)
     streamed = [False]
@@ -683,10 +700,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             if messages is not None:
                 if not messages:
                     break
-                text = messages.pop(0)
-                if not _is_utf8(text):
-                    print("toolbus: MESSAGE is not valid UTF-8 text", file=sys.stderr)
-                    return EXIT_USAGE
+                text = messages.pop(0)  # checked before connecting
             else:
                 line = await stdin.next()
                 if line is None:
@@ -694,9 +708,9 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 text = line.strip()
                 if not text:
                     continue
-                if not _is_utf8(text):
-                    print("toolbus: skipped a line that is not valid UTF-8 text",
-                          file=sys.stderr)
+                problem = _unsendable(text)
+                if problem is not None:
+                    print(f"toolbus: skipped a line that is {problem}", file=sys.stderr)
                     code = EXIT_USAGE
                     continue
             streamed[0] = False

@@ -614,6 +614,21 @@ async def test_interactive_chat_goes_on_after_a_turn_that_timed_out(
     assert out.returncode == 3  # a turn timed out
 
 
+async def test_interactive_chat_refuses_a_line_over_the_message_limit_and_goes_on(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    # A 10 MB line (a file piped in by mistake) ended the whole chat with "NATS: nats:
+    # maximum payload exceeded" (exit 3), the lines after it never sent.
+    model.script = [(200, reply("Second answer."))]
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "--session", sid,
+                         "--nats", nats_url], input="a" * 10_000_000 + "\nsecond\n",
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert "skipped a line that is 10000000 bytes; the limit is 65536" in out.stderr, out.stderr
+    assert out.stdout == "Second answer.\n", out.stderr
+    assert out.returncode == 2  # a line was refused
+    assert len(model.received) == 1
+
+
 async def test_a_base_url_that_serves_a_web_page_is_named_as_such(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     model.html = True

@@ -46,6 +46,8 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("call", "built-in:echo", "--session", ""), "invalid session id ''"),
     (("chat", "hi", "--agent", "bad agent"), "invalid agent name 'bad agent'"),
     (("chat", "hi", "--timeout", "nan"), "argument --timeout: nan is not a positive"),
+    (("chat", " "), "MESSAGE is empty"),  # not a new session holding a rejection
+    (("chat", "a" * 70_000), "MESSAGE is 70000 bytes; the limit is 65536"),
     (("tools", "show"), "tools show needs a NAME"),
     (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
     (("deny", "", "--reason", "no"), "invalid call id ''"),
