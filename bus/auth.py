@@ -274,17 +274,22 @@ def redact(url: str) -> str:
 
 
 def _redact_one(url: str) -> str:
+    text = url.strip()
+    # nats-py reads a URL without a scheme as nats:// (`client:PW@host:4222`), so must this;
+    # text with spaces is a message, not a URL.
+    bare = "://" not in text and not any(c.isspace() for c in text)
     try:
-        parts = urlsplit(url.strip())
+        parts = urlsplit(f"nats://{text}" if bare else text)
         host = parts.hostname or ""
         port = parts.port
     except ValueError:
         return "<unparsable URL>"
     if parts.username is None and parts.password is None:
-        return url.strip()
+        return text
     user = unquote(parts.username or "")
     who = f"{user}:***@" if parts.password is not None else "***@"
     if ":" in host:
         host = f"[{host}]"
     netloc = f"{who}{host}" + (f":{port}" if port is not None else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    out = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return out.removeprefix("nats://") if bare else out

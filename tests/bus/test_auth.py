@@ -58,6 +58,11 @@ def test_redact_hides_passwords() -> None:
     assert redact("nats://client:s3cr%2Ft@127.0.0.1:4222") == "nats://client:***@127.0.0.1:4222"
     assert redact("nats://tok@h:1,nats://a:b@[::1]:2") == "nats://***@h:1,nats://a:***@[::1]:2"
     assert redact("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    # Without a scheme, as nats-py takes it (it adds nats://): `--nats client:PW@host:port`
+    # was printed whole in "NATS at ... refused the connection".
+    assert redact("client:s3cret@127.0.0.1:4222") == "client:***@127.0.0.1:4222"
+    assert redact("nats://u:pa,ss@h:1") == "<unparsable URL>,***@h:1"  # a comma in it
+    assert redact("no servers available: user@host") == "no servers available: user@host"
 
 
 async def _check_roles(address: str, urls: dict[str, str]) -> None:
