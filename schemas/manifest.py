@@ -516,6 +516,12 @@ class ModelConfig(_Model):
     @field_validator("base_url")
     @classmethod
     def _base_url(cls, v: str | None) -> str | None:
+        authority = re.split(r"[/?#]", (v or "").split("://", 1)[-1], maxsplit=1)[0]
+        if "@" in authority:  # before the URL is quoted below
+            raise ValueError("base_url must not carry credentials (user:password@ before "
+                             "the host): they would show wherever the URL does, and go as "
+                             "Basic auth in place of the key; give the key as api_key: "
+                             "${VAR}")
         if v is not None and not re.match(r"^https?://[^/?#]+", v):
             raise ValueError(f"base_url must be an absolute http(s) URL, got {v!r}")
         return v.rstrip("/") if v else v

@@ -162,6 +162,25 @@ def test_a_key_written_in_the_manifest_is_refused(text: str, path: str) -> None:
     assert "${VAR_NAME}" in message and "sk-live-123" not in message
 
 
+@pytest.mark.parametrize(("base_url", "path"), [
+    ("http://proxy:s3cretpw@127.0.0.1:8080/v1", "agent_config.model.base_url"),
+    ("https://:s3cretpw@h/v1", "agent_config.model.base_url"),
+    ("ftp://u:s3cretpw@h/v1", "agent_config.model.base_url"),
+])
+def test_a_base_url_with_a_password_is_refused_without_quoting_it(base_url: str,
+                                                                 path: str) -> None:
+    # `toolbus up` printed it whole ("planner: openai m at http://proxy:s3cretpw@..."), and
+    # httpx sends it as Basic auth, which a proxy's 401 echoed into turn.failed.
+    for text in (f"agent_config: {{model: {{provider: openai, model: m, base_url: '{base_url}'}}}}",
+                 "agent_config: {model: {provider: openai, model: m, base_url: '${URL}'}}"):
+        message = problems_of(text, URL=base_url)
+        assert f"{path}: " in message and "s3cretpw" not in message, message
+    agent = ("agent_config: {agents: {a: {instructions: i, model: {provider: openai, model: m,"
+             f" base_url: '{base_url}'}}}}}}}}")
+    message = problems_of(agent)
+    assert "agent_config.agents.a.model.base_url" in message and "s3cretpw" not in message
+
+
 def test_a_key_read_from_a_file_loses_its_line_end_and_a_broken_one_is_refused_unquoted(
         ) -> None:
     got = parse_manifest(f"agent_config: {{{MODEL}}}", env={"OPENAI_API_KEY": "sk-abc\r\n"})
