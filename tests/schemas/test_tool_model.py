@@ -137,6 +137,11 @@ def test_recursive_and_shared_definitions_stay_usable() -> None:
                                          for i in range(200)}}
     assert Validator(shared).violations({"p1": {"home": {"street": 1}}})
     assert Validator(_doubling(8, "anyOf")).violations(1) == []
+    # One large definition named from many places is counted once, not once per place.
+    many = {"$defs": {"n": {"anyOf": [{"minimum": i} for i in range(2000)]}},
+            "properties": {f"p{i}": {"$ref": "#/$defs/n", "maximum": i}
+                           for i in range(2000)}}
+    assert Validator(many).violations({"p7": 5}) == []
 
 
 def test_a_spec_round_trips_through_its_json_schema_form() -> None:
