@@ -896,7 +896,10 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
         out.write(f'{{"state":{encode_state(state).decode()}}}\n')
         return EXIT_OK
     if not stored:
-        print(f"toolbus: session {sid} has no events", file=sys.stderr)
+        upto = "" if args.until is None else (
+            f" up to seq {args.until} (a sequence of the whole stream: `toolbus replay "
+            f"{sid}` shows its events' own)")
+        print(f"toolbus: session {sid} has no events{upto}", file=sys.stderr)
         return EXIT_CALL_FAILED
     out.write(f"session {sid}: {len(stored)} event(s)\n")
     out.write(_TIMELINE_HEAD)

@@ -128,6 +128,20 @@ async def test_replay_into_a_closed_pipe_ends_quietly(client, nats_url: str) -> 
     assert out.returncode == 0
 
 
+async def test_replay_until_before_the_sessions_first_event_says_so(client,
+                                                                     nats_url: str) -> None:
+    for sid in (f"before-{uuid.uuid4().hex[:8]}", f"until-{uuid.uuid4().hex[:8]}"):
+        end = await client.call(sid, [{"tool": "built-in:echo", "arguments": {}}])
+        assert isinstance(end, TurnCompleted)
+    listed = await asyncio.to_thread(run_toolbus, "replay", sid, "--json", "--nats", nats_url)
+    first = json.loads(listed.stdout.splitlines()[0])["seq"]
+    # --until counts the stream, not the session's events: "has no events" was wrong.
+    out = await asyncio.to_thread(run_toolbus, "replay", sid, "--until", str(first - 1),
+                                  "--nats", nats_url)
+    assert out.returncode == 1
+    assert f"session {sid} has no events up to seq {first - 1}" in _one_clear_line(out)
+
+
 def test_bench_validation_works_without_the_dev_only_package(tmp_path: Path) -> None:
     shadow = tmp_path / "shadow"
     shadow.mkdir()
