@@ -1112,13 +1112,15 @@ async def _approvals(url: str, args: argparse.Namespace) -> int:
         print("no calls are waiting for approval", file=sys.stderr)
         return EXIT_OK
     for p in pending:
-        args_text = _json.encode(p.arguments).decode()
+        # The model wrote the arguments: without the characters that would reorder or hide
+        # what the approver reads (JSON escapes control characters, not bidi overrides).
+        args_text = _printable(_json.encode(p.arguments).decode())
         if len(args_text) > 120:
             args_text = args_text[:119] + "…"
-        sys.stdout.write(
+        sys.stdout.write(_printable(
             f"{p.call_id}  session={p.session_id}  {p.tool}  risk={p.risk}  "
             f"age={now - p.requested_at:.0f}s  expires_in={p.expires_at - now:.0f}s\n"
-            f"    arguments: {args_text}\n    why: {p.reason} [rule {p.rule}]\n")
+            f"    arguments: {args_text}\n    why: {p.reason} [rule {p.rule}]\n"))
     return EXIT_OK
 
 

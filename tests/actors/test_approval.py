@@ -235,15 +235,19 @@ async def test_an_unanswered_approval_times_out_and_a_late_decision_is_refused(
 
 
 async def test_the_cli_approves_from_another_process(bus, client, sid, nats_url) -> None:
-    decision, task = await _decision(bus, client, sid, "approvals:write", {"text": "cli"},
+    # A right-to-left override shows "cli.txt\u202egnp.exe" as "cli.txtexe.png": the
+    # approver must see what would run.
+    decision, task = await _decision(bus, client, sid, "approvals:write",
+                                     {"text": "cli.txt\u202egnp.exe"},
                                      wait_end=False)
     listed = await asyncio.to_thread(run_toolbus, "approvals", "--nats", nats_url)
     assert decision.call_id in listed.stdout and "approvals:write" in listed.stdout
+    assert "cli.txtgnp.exe" in listed.stdout and "\u202e" not in listed.stdout
     ok = await asyncio.to_thread(run_toolbus, "approve", decision.call_id, "--session", sid,
                                  "--by", "carol", "--nats", nats_url)
     assert ok.returncode == 0, ok.stderr
     end = await task
-    assert end.outcomes[0].result == {"wrote": "cli"}
+    assert end.outcomes[0].result == {"wrote": "cli.txt\u202egnp.exe"}
     state = await settled_state(bus, client, sid)
     assert state.calls[decision.call_id].decided_by == "carol"
 
