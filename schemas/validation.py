@@ -13,6 +13,7 @@ copy of it. Nested objects are reached through `properties`, not through combina
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -162,8 +163,9 @@ class _Graph:
             if not isinstance(item, dict):
                 continue
             if isinstance(item.get("$id"), str):
-                uri = urldefrag(urljoin(uri, item["$id"]))[0]
-                self.resources.setdefault(uri, item)
+                with contextlib.suppress(ValueError):  # in no schema's place: not a URI
+                    uri = urldefrag(urljoin(uri, item["$id"]))[0]
+                    self.resources.setdefault(uri, item)
             self.base[id(item)] = uri
             self.nodes[id(item)] = item
             if isinstance(item.get("$anchor"), str):
@@ -179,7 +181,12 @@ class _Graph:
         ref = node[key]
         if not isinstance(ref, str):
             return []
-        uri, fragment = urldefrag(urljoin(self.base.get(id(node), ""), ref))
+        base = self.base.get(id(node), "")
+        try:  # a fragment alone stays in its resource, whatever the scheme (urn:)
+            uri, fragment = (base, ref[1:]) if ref.startswith("#") else \
+                urldefrag(urljoin(base, ref))
+        except ValueError:
+            uri, fragment = "", "#"  # followed nowhere: refused below
         found: Any = self.resources.get(uri)
         if found is not None and fragment.startswith("/"):
             for part in unquote(fragment).split("/")[1:]:

@@ -142,6 +142,13 @@ def test_recursive_and_shared_definitions_stay_usable() -> None:
             "properties": {f"p{i}": {"$ref": "#/$defs/n", "maximum": i}
                            for i in range(2000)}}
     assert Validator(many).violations({"p7": 5}) == []
+    # References are followed as jsonschema-rs follows them: within a resource of any
+    # scheme, by anchor; a "$id" where no schema is (an enum's value) is no resource.
+    for schema in ({"$id": "urn:x", "$defs": {"b": {"$id": "urn:y", "$defs": {"c": {}},
+                                                     "$ref": "#/$defs/c"}}, "$ref": "urn:y"},
+                   {"$defs": {"a": {"$anchor": "x", "type": "string"}}, "$ref": "#x"},
+                   {"enum": [{"$id": "http://[::1"}]}):
+        assert Validator(schema).violations(1) is not None
 
 
 def test_a_spec_round_trips_through_its_json_schema_form() -> None:
