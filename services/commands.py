@@ -526,10 +526,12 @@ def _unsendable(text: str) -> str | None:
     if not text.strip():
         return "empty: say something (or give no MESSAGE, to chat a line at a time)"
     size = len(text.encode())
-    if size > MAX_MESSAGE_BYTES:
-        return (f"{size} bytes; the limit is {MAX_MESSAGE_BYTES}: send a large input by "
-                "reference (a path or URL), or hand it over with `toolbus inject`")
-    return None
+    return _too_large(size) if size > MAX_MESSAGE_BYTES else None
+
+
+def _too_large(size: int) -> str:
+    return (f"{size} bytes; the limit is {MAX_MESSAGE_BYTES}: send a large input by "
+            "reference (a path or URL), or hand it over with `toolbus inject`")
 
 
 class _StdinLines:
@@ -538,31 +540,45 @@ class _StdinLines:
     read, kept the process waiting for another line. Unbuffered by Python (a daemon
     thread inside a buffered read aborts the interpreter at exit), and as bytes: a line
     that is not UTF-8 comes as surrogate escapes, for the caller to refuse, whatever the
-    locale's decoding would have done with it and with what was buffered around it."""
+    locale's decoding would have done with it and with what was buffered around it. A
+    line longer than `limit` is not held: its bytes are counted and dropped as they come,
+    and its size stands for it (`toolbus chat < /dev/zero`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fd: int = 0, *, limit: int = 2 * MAX_MESSAGE_BYTES) -> None:
+        self._fd = fd
+        self._limit = limit
         self._buf = b""
         self._eof = False
 
-    def _next(self) -> str | None:
+    def held(self) -> int:
+        return len(self._buf)
+
+    def _next(self) -> str | int | None:
+        dropped = 0
         while b"\n" not in self._buf and not self._eof:
             try:
-                chunk = os.read(0, 65536)
+                chunk = os.read(self._fd, 65536)
             except OSError:  # closed
                 chunk = b""
             self._eof = not chunk
-            self._buf += chunk
-        if not self._buf:
+            if len(self._buf) + len(chunk) > self._limit and b"\n" not in chunk:
+                dropped += len(self._buf) + len(chunk)
+                self._buf = b""
+            else:
+                self._buf += chunk
+        if not self._buf and not dropped:
             return None
         line, sep, self._buf = self._buf.partition(b"\n")
+        if dropped:
+            return dropped + len(line)
         return (line + sep).decode("utf-8", "surrogateescape")
 
-    async def next(self) -> str | None:
-        """The next line, None at the end."""
+    async def next(self) -> str | int | None:
+        """The next line, the size in bytes of one over the limit, None at the end."""
         loop = asyncio.get_running_loop()
-        got: asyncio.Future[str | None] = loop.create_future()
+        got: asyncio.Future[str | int | None] = loop.create_future()
 
-        def settle(line: str | None) -> None:
+        def settle(line: str | int | None) -> None:
             if not got.done():
                 got.set_result(line)
 
@@ -705,6 +721,11 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 line = await stdin.next()
                 if line is None:
                     break
+                if isinstance(line, int):
+                    print(f"toolbus: skipped a line that is {_too_large(line)}",
+                          file=sys.stderr)
+                    code = EXIT_USAGE
+                    continue
                 text = line.strip()
                 if not text:
                     continue

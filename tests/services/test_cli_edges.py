@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -140,6 +142,30 @@ async def test_replay_until_before_the_sessions_first_event_says_so(client,
                                   "--nats", nats_url)
     assert out.returncode == 1
     assert f"session {sid} has no events up to seq {first - 1}" in _one_clear_line(out)
+
+
+async def test_chat_reads_a_line_with_no_end_in_bounded_memory() -> None:
+    # `toolbus chat < /dev/zero` (or a binary file piped in) held the whole endless line:
+    # 730 MB after 15 s, every read copying it all again.
+    from services.commands import _StdinLines
+
+    read, write = os.pipe()
+
+    def feed() -> None:
+        with os.fdopen(write, "wb") as out:
+            for _ in range(80):
+                out.write(b"a" * 65536)
+            out.write(b"\nnext\n")
+
+    threading.Thread(target=feed, daemon=True).start()
+    try:
+        lines = _StdinLines(read, limit=128 * 1024)
+        assert await lines.next() == 80 * 65536  # the size of the line skipped
+        assert lines.held() <= 128 * 1024 + 65536
+        assert await lines.next() == "next\n"
+        assert await lines.next() is None
+    finally:
+        os.close(read)
 
 
 def test_bench_validation_works_without_the_dev_only_package(tmp_path: Path) -> None:
