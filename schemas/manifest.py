@@ -817,12 +817,15 @@ def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
 
 
 def resolve_vars(node: Any, env: Mapping[str, str], where: list[Any],
-                 problems: list[str]) -> Any:
-    """Replace `${VAR}` references in every string of a parsed YAML tree."""
+                 problems: list[str], used: dict[str, str] | None = None) -> Any:
+    """Replace `${VAR}` references in every string of a parsed YAML tree; `used` gets
+    each variable read and its value."""
     if isinstance(node, dict):
-        return {k: resolve_vars(v, env, [*where, k], problems) for k, v in node.items()}
+        return {k: resolve_vars(v, env, [*where, k], problems, used)
+                for k, v in node.items()}
     if isinstance(node, list):
-        return [resolve_vars(v, env, [*where, i], problems) for i, v in enumerate(node)]
+        return [resolve_vars(v, env, [*where, i], problems, used)
+                for i, v in enumerate(node)]
     if not isinstance(node, str) or "$" not in node:
         return node
 
@@ -837,9 +840,22 @@ def resolve_vars(node: Any, env: Mapping[str, str], where: list[Any],
             problems.append(f"{_loc(where)}: ${{{name}}} is not set in the environment; "
                             f"export {name}=... or write ${{{name}:-default}}")
             return ""
+        if used is not None:
+            used[name] = value
         return value
 
     return _VAR.sub(sub, node)
+
+
+def _unquoted(message: str, used: Mapping[str, str]) -> str:
+    """`message` with every value read from the environment put back as the `${VAR}` it
+    came from: a validator that quotes what it refused would show a secret (a password
+    in a URL) to whoever reads the error. Values of under 4 characters are left: no
+    secret, and common enough to mangle the message."""
+    for name, value in sorted(used.items(), key=lambda kv: -len(kv[1])):
+        if len(value) >= 4:
+            message = message.replace(value, f"${{{name}}}")
+    return message
 
 
 # Secrets of the agent section come only from the environment: `${VAR}`, or `${VAR:-}`
@@ -936,12 +952,14 @@ def parse_manifest(text: str, *, env: Mapping[str, str], path: str = "manifest")
                                    f"{MAX_MANIFEST_VALUES:,} values (YAML anchors and "
                                    "aliases nested in each other?)"])
     problems = literal_secrets(raw)
-    resolved = resolve_vars(raw, env, [], problems)
+    used: dict[str, str] = {}
+    resolved = resolve_vars(raw, env, [], problems, used)
     if problems:
         raise ManifestError(path, problems)
     try:
         manifest = Manifest.model_validate(resolved)
     except pydantic.ValidationError as exc:
-        raise ManifestError(path, [f"{_loc(e['loc'])}: {e['msg']}"
-                                   for e in exc.errors()]) from exc
+        # Not chained: pydantic's own error quotes every value it refused.
+        raise ManifestError(path, [_unquoted(f"{_loc(e['loc'])}: {e['msg']}", used)
+                                   for e in exc.errors()]) from None
     return manifest

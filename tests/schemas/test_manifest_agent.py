@@ -389,3 +389,17 @@ def test_a_manifest_of_aliases_nested_in_each_other_is_refused_at_once() -> None
     message = problems_of("\n".join(lines))
     assert "expands to over 200,000 values" in message
     assert time.monotonic() - started < 2
+
+
+def test_a_value_from_the_environment_is_never_quoted_in_a_manifest_error() -> None:
+    text = ("agent_config:\n  mcps:\n    - {id: tickets, hostname: '${MCP_HOST}', port: 80,"
+            " transport: streamable-http}\ntools:\n  http:\n"
+            "    - {name: 'api:get', base_url: '${API_URL}'}\n")
+    env = {"MCP_HOST": "ftp://user:s3cretpassw0rd@host", "API_URL": "notaurl s3cretTOKEN99"}
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(text, env=env)
+    said = str(caught.value)
+    # Each validator quotes what it refused: the variable's name stands in for its value.
+    assert "hostname '${MCP_HOST}' must start with http://" in said, said
+    assert "got '${API_URL}'" in said, said
+    assert "s3cret" not in said and caught.value.__cause__ is None
