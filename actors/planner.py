@@ -84,7 +84,7 @@ from schemas.defaults import (
     PARTITION_ACK_WAIT_S,
     SESSION_CACHE_SIZE,
 )
-from schemas.errors import ConcurrencyError, EventTooLargeError, ModelError
+from schemas.errors import ConcurrencyError, ConfigError, EventTooLargeError, ModelError
 from schemas.events import (
     CallApproved,
     CallRejected,
@@ -1488,7 +1488,11 @@ class Planner:
             schema = match_schema(rules)
             validator = Validator(schema)
         elif asked.purpose == "think":
-            found = rules.step(asked.step or "") or _request_step(turn, asked.step)
+            try:
+                found = rules.step(asked.step or "") or _request_step(turn, asked.step)
+            except ConfigError as exc:  # stored before such a schema was refused at once
+                return _Ask(asked, turn, rules, settings, failure=(
+                    f"think step {asked.step!r}: its output_schema cannot be used: {exc}"))
             if found is None:
                 return _Ask(asked, turn, rules, settings, failure=(
                     f"this planner has no think step {asked.step!r}: is its manifest the "

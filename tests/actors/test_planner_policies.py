@@ -743,3 +743,33 @@ async def test_the_planner_offers_only_what_the_manifest_policy_grants(
         assert offered(model.received[0]) == {"built-in__current_time"}
     finally:
         await planner.stop()
+
+
+async def test_a_stored_think_schema_too_costly_to_check_fails_its_turn_cleanly(
+        bus: Bus, system: dict[str, Any], model: ScriptedChat, sid: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from bus.eventlog import Append
+    from schemas.events import ThinkRequest, TurnFailed, TurnRequested
+    from schemas.ids import turn_requested_id
+
+    # Stored before such a schema was refused at intake: the planner meets it when it
+    # compiles the step, and ended the turn `internal` with a traceback in its log.
+    costly = {"$defs": {f"a{i}": {"oneOf": [{"$ref": f"#/$defs/a{i + 1}"}, {
+        "$ref": f"#/$defs/a{i + 1}", "minimum": i}]} for i in range(30)} | {
+        "a30": {"type": "integer"}}, "$ref": "#/$defs/a0"}
+    planner = await start(bus, system, model, agent({}))
+    try:
+        async with EventWatch(bus, sid) as watch:
+            await EventLog(bus).append(Append(TurnRequested(
+                session_id=sid, at=1.0, actor="session", turn_id="t-old", request_id="t-old",
+                call_ids=[], message="hi", think=[ThinkRequest(
+                    id="x", instruction="Classify.", output_schema=costly)]),
+                turn_requested_id(sid, "t-old")))
+            events = await watch.until(lambda evs: any(
+                isinstance(e, TurnFailed) for e in evs), timeout=30)
+    finally:
+        await planner.stop()
+    (failed,) = [e for e in events if isinstance(e, TurnFailed)]
+    assert "think step 'x': its output_schema cannot be used" in failed.message, failed
+    assert "too costly" in failed.message
+    assert model.received == [] and "Traceback" not in caplog.text
