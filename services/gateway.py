@@ -887,6 +887,9 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         if answer.get("ok"):
             return JSONResponse(answer)
         status = _STATUS_OF_CODE.get(str(answer.get("code")), 500)
+        # The actor's own codes ("invalid"), told in the gateway's words as every other
+        # error answer ("invalid_request").
+        answer["code"] = _CODE_OF_STATUS.get(status, "error")
         return JSONResponse(answer, status_code=status)
 
     @app.get("/openapi.json", summary="This API, as an OpenAPI document",

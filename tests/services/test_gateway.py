@@ -130,11 +130,15 @@ async def test_an_approver_token_lists_and_decides_and_is_recorded_as_the_princi
         assert ok.status_code == 200 and ok.json() == {"ok": True, "decision": "approved"}
         again = await a.post(url, json={"decision": "deny", "by": "bob", "reason": "no"})
         assert again.status_code == 409 and "approved by ada" in again.json()["error"]
+        assert again.json()["code"] == "conflict"
         bad = await a.post(url, content=b"not json",
                            headers={"Content-Type": "application/json"})
         assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]
+        # The actor's refusal of a body, in the code every other route gives.
+        odd = await a.post(url, json={"decision": "maybe"})
+        assert odd.status_code == 400 and odd.json()["code"] == "invalid_request", odd.json()
         missing = await a.post(f"/approvals/{sid}/nope-0", json={"decision": "approve"})
-        assert missing.status_code == 404
+        assert missing.status_code == 404 and missing.json()["code"] == "not_found"
         wrong_id = await a.post(f"/approvals/{sid}/a.b", json={"decision": "approve"})
         assert wrong_id.status_code == 400 and "call id" in wrong_id.json()["error"]
     granted = of_type(await _ended(bus, sid), "approval.granted")
