@@ -11,6 +11,9 @@ from __future__ import annotations
 import sys
 
 try:
+    from services.process import note_interrupts
+
+    note_interrupts()
     from services.commands import main
 except KeyboardInterrupt:
     sys.stderr.write("toolbus: interrupted while starting\n")

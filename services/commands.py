@@ -66,6 +66,8 @@ try:
         EXIT_OK,
         EXIT_USAGE,
         fill_std_fds,
+        interrupted,
+        started,
         tcp_port,
         terminable,
     )
@@ -374,6 +376,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Read once: the actor's credentials are not for the tools and MCP servers
             # this process starts, which inherit its environment.
             os.environ.pop("NATS_URL", None)
+        if args.command in ("up", "actor"):
+            try:
+                from services import runtime  # noqa: F401  # loaded here, under the guard
+            except Exception:
+                if not interrupted():
+                    raise
+                print("toolbus: interrupted while starting", file=sys.stderr)
+                return 130
+        started()
         match args.command:
             case "up":
                 from services.runtime import up

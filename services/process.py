@@ -20,6 +20,33 @@ EXIT_OK, EXIT_CALL_FAILED, EXIT_USAGE, EXIT_BUS = 0, 1, 2, 3
 _PR_SET_PDEATHSIG = 1
 
 
+_interrupts = 0
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    global _interrupts
+    _interrupts += 1
+    signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as ever
+
+
+def note_interrupts() -> None:
+    """Count Ctrl-Cs while the process starts (`interrupted`), as well as raising
+    KeyboardInterrupt: one landing inside a compiled extension (pydantic-core building
+    a schema at import) can come out as another error, and would print its traceback."""
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def interrupted() -> bool:
+    return _interrupts > 0
+
+
+def started() -> None:
+    """Hand Ctrl-C back to Python's own handler, which asyncio's runner needs to see to
+    install its own (it cancels the main task instead of raising anywhere)."""
+    if signal.getsignal(signal.SIGINT) is _on_sigint:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run(coro: Coroutine[Any, Any, int]) -> int:
     """Run on uvloop where it exists: it roughly halves the cost of each bus hop."""
     # What start-up built (modules, settings) lives as long as the process: kept out of

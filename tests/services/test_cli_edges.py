@@ -215,9 +215,14 @@ def test_ctrl_c_while_the_command_starts_is_one_line_not_a_traceback(tmp_path: P
                              str(tmp_path / "data"), "--workers", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)
+    try:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:  # it ignored the signal: not left running
+            proc.kill()
+            proc.communicate(timeout=10)
     assert "Traceback" not in err, err
     # -2: the signal came before the interpreter had set up its own handler.
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
