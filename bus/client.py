@@ -144,6 +144,8 @@ class _Watcher:
 _FAILOVER_S = 15.0
 # How often a caller waiting for a turn's end looks whether its connection broke.
 _RECONNECT_CHECK_S = 0.5
+# A caller waiting for a turn gives up this long after its connection went away for good.
+GIVE_UP_AWAY_S = 30.0
 
 
 class ToolbusClient:
@@ -285,12 +287,26 @@ class ToolbusClient:
         turn may have ended then), so the log is to be read."""
         nc = self.bus.nc
         reconnects = nc.stats["reconnects"]
+        loop = asyncio.get_running_loop()
+        away_since: float | None = None
         while True:
             done, _ = await asyncio.wait({fut}, timeout=_RECONNECT_CHECK_S)
             if done:
                 return fut.result()
             if nc.stats["reconnects"] != reconnects and nc.is_connected:
                 return None
+            if nc.is_connected:
+                away_since = None
+            elif away_since is None:
+                away_since = loop.time()
+            elif loop.time() - away_since >= GIVE_UP_AWAY_S:
+                # Not the whole --timeout (minutes) in silence: the turn goes on without us
+                # if the server comes back, and its log says how it ended.
+                raise BusTimeoutError(
+                    f"lost the connection to NATS at {self.bus.url} "
+                    f"{GIVE_UP_AWAY_S:g} s ago and could not reconnect; the turn goes on "
+                    "once the server is back: `toolbus replay` of the session tells how "
+                    "it ended")
 
     def follow(self, session_id: str, *, after: int = 0, turn_id: str | None = None
                ) -> SessionFeed:

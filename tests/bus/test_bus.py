@@ -263,3 +263,29 @@ async def test_a_turn_that_ends_while_the_clients_connection_is_away_is_read_fro
         await client.close()
         await far.close()
         await proxy.cut()
+
+
+async def test_a_caller_whose_server_never_comes_back_is_told_so_not_left_waiting(
+        bus: Bus, system: dict[str, Any], nats_url: str, sid: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It waited its whole timeout (300 s for `toolbus chat`) in silence."""
+    from schemas.errors import BusTimeoutError
+
+    monkeypatch.setattr("bus.client.GIVE_UP_AWAY_S", 1.0)
+    proxy = _Proxy(int(nats_url.rsplit(":", 1)[1]))
+    await proxy.open()
+    far = await connect(nats_url.rsplit(":", 1)[0] + f":{proxy.port}", name="far-client")
+    client = ToolbusClient(far)
+    try:
+        async with EventWatch(bus, sid) as watch:
+            calling = asyncio.create_task(client.call(
+                sid, [{"tool": "testing:sleep", "arguments": {"seconds": 0.5}}],
+                timeout=300))
+            await watch.until(lambda evs: bool(of_type(evs, "call.started")), timeout=10)
+            await proxy.cut()  # and never opened again
+        with pytest.raises(BusTimeoutError, match="lost the connection to NATS"):
+            await asyncio.wait_for(calling, 20)
+    finally:
+        await client.close()
+        with contextlib.suppress(Exception):
+            await far.close()
