@@ -485,19 +485,35 @@ async def _read_capped(response: httpcore.Response, limit: int) -> tuple[bytes, 
 
 
 _CHARSET = re.compile(r"charset\s*=\s*\"?([\w.:-]+)", re.IGNORECASE)
+# Text codecs that are no character set: punycode decodes in quadratic time (a crafted
+# 1 MB body held the event loop for 30 s), idna and undefined raise whatever the handler.
+_NOT_CHARSETS = frozenset({"punycode", "idna", "undefined"})
+
+
+def _encoding(content_type: str) -> str:
+    """The character set the server names, if Python has it; else UTF-8. Looked up, not
+    tried on b"": decoding nothing succeeds with any name, even an unknown one."""
+    m = _CHARSET.search(content_type)
+    if m is None:
+        return "utf-8"
+    try:
+        info = codecs.lookup(m.group(1))
+    except LookupError:
+        return "utf-8"
+    # _is_text_encoding is what bytes.decode checks: false for base64, zlib, rot13.
+    if not info._is_text_encoding or info.name in _NOT_CHARSETS:
+        return "utf-8"
+    return info.name
 
 
 def _decode_text(raw: bytes, cut: bool, content_type: str) -> str:
-    encoding = "utf-8"
-    m = _CHARSET.search(content_type)
-    if m is not None:
-        try:
-            b"".decode(m.group(1))  # LookupError too for bytes-to-bytes codecs (base64)
-            encoding = m.group(1)
-        except LookupError:
-            pass
     # A body cut mid-character ends where the last whole character does.
-    return codecs.getincrementaldecoder(encoding)(errors="replace").decode(raw, final=not cut)
+    final = not cut
+    try:
+        return codecs.getincrementaldecoder(_encoding(content_type))(
+            errors="replace").decode(raw, final=final)
+    except UnicodeError:  # UTF-16 without a byte order mark, whatever the handler
+        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=final)
 
 
 def _decode_body(raw: bytes, cut: bool, content_type: str,

@@ -30,7 +30,8 @@ SECRETS = ("bearer-s3cret", "key-s3cret", "tenant-s3cret", "query-s3cret")
 class _Recorder(http.server.BaseHTTPRequestHandler):
     """Records every request it gets (`server.hits`), and answers:
     /redirect?to=URL[&status=N] with a redirect, /loop with a redirect to itself, /slow
-    after 1.5 s, /endless with a body that never ends, anything else with a small JSON."""
+    after 1.5 s, /endless with a body that never ends, /typed?type=T&body=B with body B
+    (latin-1) as Content-Type T, anything else with a small JSON."""
 
     server: _RecordingServer
     protocol_version = "HTTP/1.1"
@@ -50,6 +51,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
             self._redirect(int(q.get("status", ["302"])[0]), q["to"][0])
         elif url.path == "/loop":
             self._redirect(302, "/loop")
+        elif url.path == "/typed":
+            self._reply(q["body"][0].encode("latin-1"), q["type"][0])
         elif url.path == "/slow":
             time.sleep(1.5)
             self._reply(b'{"slow": true}')
@@ -73,9 +76,9 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def _reply(self, body: bytes) -> None:
+    def _reply(self, body: bytes, ctype: str = "application/json") -> None:
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         try:
@@ -509,3 +512,24 @@ async def test_a_body_is_read_only_up_to_max_response_bytes(
                                        max_response_chars=10, allow_private=True))
     out = await run_tool(endless, {"path": "/endless"})
     assert out["truncated"] and out["bytes_read"] == 1_048_576 and out["data"] == "y" * 10
+
+
+@pytest.mark.parametrize("charset, body, data", [
+    ("latin-1", "caf\xe9", "caf\xe9"), ("utf-8", "caf\xc3\xa9", "caf\xe9"),
+    ("utf-16-le", "a\x00b\x00", "ab"),
+    # Codecs that are no character set read as UTF-8: punycode (quadratic: a crafted 1 MB
+    # body held the event loop 30 s), idna and undefined (which raise), bytes-to-bytes ones.
+    ("punycode", "bcher-kva", "bcher-kva"), ("idna", "xn--bcher-kva", "xn--bcher-kva"),
+    ("undefined", "abc", "abc"), ("base64", "aGk=", "aGk="), ("zlib", "abc", "abc"),
+    ("rot13", "abc", "abc"), ("no-such-charset", "abc", "abc"),
+    # A UTF-16 body without a byte order mark, which Python's decoder refuses outright.
+    ("utf-16", "abc", "abc"),
+])
+async def test_a_body_is_decoded_only_with_a_real_character_set(
+        a_b: tuple[_RecordingServer, _RecordingServer], charset: str, body: str,
+        data: str) -> None:
+    a, _ = a_b
+    t = http_tool(HttpToolConfig(name="api:typed", base_url=a.url, allow_private=True))
+    out = await run_tool(t, {"path": "/typed", "query": {
+        "type": f"text/plain; charset={charset}", "body": body}})
+    assert out["ok"] and out["data"] == data
