@@ -46,7 +46,9 @@ import httpcore
 import httpx
 
 from actors.tools import LocalTool, Resource, ToolError
+from schemas.defaults import MAX_JSON_DEPTH
 from schemas.manifest import HttpToolConfig
+from schemas.requests import json_depth
 from schemas.tools import Annotations, ToolSpec
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -523,12 +525,22 @@ def _decode_body(raw: bytes, cut: bool, content_type: str,
     if fmt == "auto":
         fmt = "json" if "json" in content_type.lower() else "text"
     if fmt == "json" and not cut and len(text) <= cfg.max_response_chars:
+        why = "not valid JSON"
         try:
-            return json.loads(text) if text.strip() else None, False
+            data = json.loads(text) if text.strip() else None
         except ValueError:
-            if cfg.response_format == "json":
-                raise ToolError("the response is not valid JSON (response_format is json)",
-                                error_type="invalid_response") from None
+            pass
+        except RecursionError:  # deeper than the stack: surely deeper than the limit
+            why = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        else:
+            # As a model's JSON: a result nested deeper than that is kept as text, not
+            # stored as deep as this stack allowed for each reader to decode on its own.
+            if json_depth(data, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH:
+                return data, False
+            why = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        if cfg.response_format == "json":
+            raise ToolError(f"the response is {why} (response_format is json)",
+                            error_type="invalid_response")
     if len(text) > cfg.max_response_chars:
         return text[:cfg.max_response_chars], True
     return text, cut

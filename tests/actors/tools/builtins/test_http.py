@@ -533,3 +533,27 @@ async def test_a_body_is_decoded_only_with_a_real_character_set(
     out = await run_tool(t, {"path": "/typed", "query": {
         "type": f"text/plain; charset={charset}", "body": body}})
     assert out["ok"] and out["data"] == data
+
+
+@pytest.mark.parametrize("depth", [65, 5000])
+async def test_a_json_body_nested_too_deeply_is_returned_as_text(
+        a_b: tuple[_RecordingServer, _RecordingServer], depth: int) -> None:
+    """Past MAX_JSON_DEPTH levels, as a model's JSON. Deeper than the stack, json.loads
+    raised RecursionError and failed the call; a little less, it became a result nested
+    as deep as the executor's stack allowed, for every reader of the event to decode."""
+    a, _ = a_b
+    body = "[" * depth + "]" * depth
+    t = http_tool(HttpToolConfig(name="api:deep", base_url=a.url, allow_private=True))
+    out = await run_tool(t, {"path": "/typed", "query": {"type": "application/json",
+                                                          "body": body}})
+    assert out["ok"] and out["data"] == body
+    strict = http_tool(HttpToolConfig(name="api:deep", base_url=a.url, allow_private=True,
+                                      response_format="json"))
+    with pytest.raises(ToolError, match="nested deeper than 64") as err:
+        await run_tool(strict, {"path": "/typed", "query": {"type": "application/json",
+                                                             "body": body}})
+    assert err.value.error_type == "invalid_response"
+    shallow = "[" * 64 + "]" * 64
+    out = await run_tool(t, {"path": "/typed", "query": {"type": "application/json",
+                                                          "body": shallow}})
+    assert out["data"] == json.loads(shallow)
