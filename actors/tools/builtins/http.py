@@ -435,6 +435,10 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
         if framing:
             raise ToolError(f"header {', '.join(framing)} is set by the tool itself; leave "
                             "it out", error_type="header_not_allowed")
+        wide = sorted(k for k, v in call_headers.items() if not (k + v).isascii())
+        if wide:
+            raise ToolError(f"header {', '.join(wide)}: names and values may hold only ASCII "
+                            "characters", error_type="header_not_allowed")
         credentials = is_home(url)
         merged = httpx.QueryParams({k: _query_value(v) for k, v in cfg.default_query.items()}
                                    if credentials else {})

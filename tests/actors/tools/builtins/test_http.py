@@ -230,6 +230,11 @@ async def test_http_refuses_framing_headers_and_credentials_in_the_url(
         with pytest.raises(ToolError, match="is set by the tool itself") as err:
             await run_tool(t, {"path": f"{a.url}/x", "headers": headers})
         assert err.value.error_type == "header_not_allowed"
+    # Not ASCII: httpx could not encode it, and the call failed with UnicodeEncodeError.
+    for headers in ({"X-Name": "caf\u00e9"}, {"X-Caf\u00e9": "v"}):
+        with pytest.raises(ToolError, match="only ASCII") as err:
+            await run_tool(t, {"path": f"{a.url}/x", "headers": headers})
+        assert err.value.error_type == "header_not_allowed"
     with pytest.raises(ToolError, match="user name or password in the URL") as err:
         await run_tool(t, {"path": f"http://u:p@127.0.0.1:{a.port}/x"})
     assert err.value.error_type == "url_not_allowed" and a.hits == []
