@@ -49,6 +49,7 @@ from schemas.defaults import (
     MAX_IN_FLIGHT,
     MAX_INLINE_RESULT_BYTES,
     MAX_RESULT_BYTES,
+    MAX_RESULT_DEPTH,
 )
 from schemas.errors import ArtifactError, ConfigError
 from schemas.events import (
@@ -61,6 +62,7 @@ from schemas.events import (
     clip,
 )
 from schemas.ids import call_started_id, call_terminal_id, check_namespace
+from schemas.requests import json_depth
 from schemas.tools import DEFAULT_POOL, ExecutorInfo, ToolSpec, instance_route, pool_route
 from schemas.validation import Validator, describe
 
@@ -409,6 +411,14 @@ class Executor:
         ref: ResultRef | None = None
         if len(encoded) > self._max_result:
             return self._too_large(d, len(encoded), t0)
+        if 2 * MAX_RESULT_DEPTH < len(encoded) <= self._max_inline_result and \
+                json_depth(result, MAX_RESULT_DEPTH) > MAX_RESULT_DEPTH:
+            # Stored in the event, it would be one that some readers cannot decode (their
+            # stack is deeper than the encoder's was), and the session's state could not
+            # be read. (A walk of at most an event's worth of values.)
+            return self._failed(d, "result_not_serializable",
+                                f"{d.tool} returned a value nested over {MAX_RESULT_DEPTH} "
+                                "levels deep", duration_ms=_ms(t0))
         if len(encoded) > self._max_inline_result:
             # Too large for an event: stream it to the object store, keep a reference.
             del result

@@ -33,6 +33,9 @@ OUTCOME_MESSAGE_CHARS: Final = 1000
 # -- requests (the decoder's limits; see README "Limits")
 MAX_REQUEST_BYTES: Final = 128 * 1024  # under MAX_EVENT_BYTES: arguments land in events
 MAX_JSON_DEPTH: Final = 64
+# A tool's result stored in an event nests at most this deep: every reader decodes it
+# with a recursion of its own, within Python's limit (1000) less the reader's stack.
+MAX_RESULT_DEPTH: Final = 128
 MAX_CALLS_PER_REQUEST: Final = 64
 
 # -- the kernel

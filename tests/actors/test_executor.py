@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from datetime import datetime
+from typing import Any
 
 import pytest
 
 from actors.executor import Executor, default_instance_name
-from actors.tools import load_tools
+from actors.tools import load_tools, tool
 from bus.client import ToolbusClient
+from bus.connection import Bus
 from bus.eventlog import Append, EventLog
 from schemas.errors import ConfigError
 from schemas.events import CallDispatched, CallFailed, CallRequested, TurnCompleted
@@ -259,3 +262,34 @@ async def test_a_call_another_delivery_started_is_not_run_as_a_first_one(bus, si
         await executor.stop()
     assert ran == []
     assert isinstance(end, CallFailed) and end.error_type == "interrupted"
+
+
+@pytest.mark.parametrize(("depth", "status"), [(100, "succeeded"), (900, "failed")])
+async def test_a_result_nested_too_deep_to_read_back_fails_its_call(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any], depth: int,
+        status: str) -> None:
+    # 900 levels encode, but a reader a few hundred frames deep cannot decode them: the
+    # event would be stored, and the session's state unreadable there.
+    def nested(n: int) -> Any:
+        value: list[Any] = []
+        for _ in range(n - 1):
+            value = [value]
+        return value
+
+    @tool("deep:result", read_only=True, parameters={"type": "object"})
+    async def deep() -> Any:
+        return nested(depth)
+
+    pool = f"deep{uuid.uuid4().hex[:6]}"
+    ex = Executor(bus, [deep], instance=f"d-{pool}", pool=pool, ack_wait_s=5.0)
+    await ex.start()
+    try:
+        end = await client.call(sid, [{"tool": "deep:result", "arguments": {},
+                                       "_delegate": pool}], timeout=20)
+    finally:
+        await ex.stop()
+    (out,) = end.outcomes
+    assert out.status == status, out
+    if status == "failed":
+        assert out.error is not None and out.error.error_type == "result_not_serializable"
+        assert "nested over 128 levels deep" in out.error.message
