@@ -78,9 +78,9 @@ class StoredEvent:
 def decode_stored(seq: int, subject: str, data: bytes) -> StoredEvent:
     try:
         return StoredEvent(seq, subject, data, decode_event(data))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        # An event this version cannot read (newer type, foreign writer): kept visible,
-        # never folded, never fatal.
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        # An event this version cannot read (newer type, foreign writer, nested deeper
+        # than this reader's stack allows): kept visible, never folded, never fatal.
         return StoredEvent(seq, subject, data, None, str(exc))
 
 

@@ -76,3 +76,17 @@ async def test_a_decision_overtaken_by_a_cancellation_stores_none_of_its_guarded
     assert len(results) == 3 and results[0].seq > first.seq
     msgs = [await bus.js.get_msg("TOOLBUS_EVENTS", r.seq) for r in results]
     assert [(m.headers or {}).get(Header.MORE.value) for m in msgs] == ["2", "1", None]
+
+
+def test_an_event_nested_deeper_than_the_readers_stack_allows_is_unreadable_not_fatal(
+) -> None:
+    from bus.eventlog import decode_stored
+
+    deep = b'{"type":"call.succeeded","session_id":"s","at":1,"actor":"executor",' \
+        b'"call_id":"t-0","result":' + b"[" * 990 + b"]" * 990 + b"}"
+
+    def at(frames: int) -> Any:
+        return at(frames - 1) if frames else decode_stored(7, "toolbus.evt.s.0.x", deep)
+
+    stored = at(200)
+    assert stored.event is None and stored.error and "recursion" in stored.error
