@@ -117,7 +117,7 @@ from schemas.ids import (
 )
 from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
 from schemas.policy import DEFAULT_AGENT, Policy, evaluate
-from schemas.requests import MAX_TRANSFORM_CHARS
+from schemas.requests import DEFAULT_MAX_CALLS, MAX_TRANSFORM_CHARS
 from schemas.state import (
     CallState,
     InjectedToolEvent,
@@ -320,15 +320,16 @@ def decide(state: SessionState, offer: Offer, *, now: float,
            max_tokens: int | None = None, rules: Rules = DEFAULT_RULES,
            agents: Mapping[str, tuple[Offer, Rules]] | None = None,
            compression: Compression | None = None,
-           unknown_agent: Callable[[str | None], str | None] = lambda agent: None
-           ) -> list[Append]:
+           unknown_agent: Callable[[str | None], str | None] = lambda agent: None,
+           max_calls: int = DEFAULT_MAX_CALLS) -> list[Append]:
     """What is due in the session's planner turns: match the policies, run a think step,
     ask the model, request the calls it asked for, judge its output, reevaluate, or end
     the turn. A turn of a named agent (`agents`, by the turn's `agent`) is planned with
     that agent's offer and rules (actors/agent_tools.py). With `compression` (a compressor
     runs), the model is asked again only once each result over its budget, or made with
     `_transform`, has its `result.compressed`. A turn whose agent `unknown_agent` says
-    (why) is unknown ends at once, before any model call."""
+    (why) is unknown ends at once, before any model call. Past `max_calls` calls in a
+    turn (the policy's `max_calls_per_turn`), the model's calls are refused."""
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
@@ -340,13 +341,14 @@ def decide(state: SessionState, offer: Offer, *, now: float,
         if turn.message is not None:
             o, r = (agents or {}).get(turn.agent or "", (offer, rules))
             out += _due(state, turn, o, r, now=now, max_iterations=max_iterations,
-                        max_tokens=max_tokens, compression=compression)
+                        max_tokens=max_tokens, compression=compression, max_calls=max_calls)
     return out
 
 
 def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, now: float,
          max_iterations: int, max_tokens: int | None,
-         compression: Compression | None = None) -> list[Append]:
+         compression: Compression | None = None,
+         max_calls: int = DEFAULT_MAX_CALLS) -> list[Append]:
     sid = state.session_id
     if turn.model_requested > len(turn.steps):
         return []  # the model is being asked
@@ -363,7 +365,8 @@ def _due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules, *, no
         if not last.tool_calls:
             return [_complete(state, turn, last.text, None, now)]
         offered = {t.name for t in offered_tools(rules, offer, turn)}
-        waiting = _calls_due(state, turn, last, rules, now, offered, compression)
+        waiting = _calls_due(state, turn, last, rules, now, offered, compression,
+                             max_calls)
         if waiting is not None:
             return waiting
         if turn.output_call_id is not None:
@@ -411,21 +414,25 @@ def _argument_refusals(state: SessionState, turn: TurnState) -> tuple[str, int] 
 
 def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rules,
                now: float, offered: set[str] | None = None,
-               compression: Compression | None = None) -> list[Append] | None:
+               compression: Compression | None = None,
+               max_calls: int = DEFAULT_MAX_CALLS) -> list[Append] | None:
     """The model's calls of `last`: those not requested yet, the emit_output verdicts
     not stored yet, or [] to wait for calls still running. None: all have ended.
 
     A call of a tool the model was not offered (outside the policies that apply, or the
     agent's tools: a model can be talked into naming any tool) is stored refused by the
     planner itself, under the id the approval actor's decision would take, so it never
-    runs; the model reads why."""
+    runs; the model reads why. So is each call past the turn's `max_calls` (a model
+    asking for a hundred writes at once would otherwise ask a human a hundred times)."""
     sid = state.session_id
     out: list[Append] = []
     emits = [c for c in last.tool_calls if rules.emit is not None and c.name == EMIT_OUTPUT]
     real = [c for c in last.tool_calls if c not in emits]
     writes = rules.output_tools()
+    requested = len(turn.call_ids)  # the reply's calls are stored in its order
     for c in real:
         if c.call_id not in state.calls:
+            requested += 1
             arguments, transform, bad_transform = split_transform(c.arguments)
             out.append(Append(CallRequested(
                 session_id=sid, at=now, actor=ACTOR, call_id=c.call_id, turn_id=turn.turn_id,
@@ -446,6 +453,15 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
                     rule="planner:offered",
                     message=clip(f"{c.name} is not one of the tools offered to you in this "
                                  f"turn; call one of: {listed}")),
+                    policy_decision_id(sid, c.call_id)))
+            elif requested > max_calls:
+                out.append(Append(CallRejected(
+                    session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
+                    turn_id=turn.turn_id, tool=c.name, reason="too_many_calls",
+                    rule="planner:max_calls",
+                    message=f"this turn asked for {requested} calls; the limit is "
+                            f"{max_calls} calls per turn, so this one does not run: answer "
+                            "with the results you have"),
                     policy_decision_id(sid, c.call_id)))
     judged = {v.call_id for v in turn.verdicts}
     emitted = turn.output_call_id is not None
@@ -1203,10 +1219,12 @@ class Planner:
                  instance: str | None = None,
                  approval: InlineApproval | None = None,
                  max_parallel: int = 3,
+                 max_calls: int = DEFAULT_MAX_CALLS,
                  policy: Policy | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """`policy`: the execution policy; a tool it would refuse the turn's agent is
-        not offered to the model."""
+        not offered to the model. `max_calls`: calls per turn (`max_calls_per_turn`), as
+        the session actor allows a request."""
         self._bus = bus
         self._policy = policy
         # The model calls under way, by session: task -> its turn.
@@ -1219,6 +1237,7 @@ class Planner:
         self._approval = approval
         self._approver: InlineApprover | None = approval.decide_inline if approval else None
         self._max_parallel = max_parallel
+        self._max_calls = max_calls
         self._history = HistoryCache()  # what the model reads of each session's past
         self._kernel = Kernel(bus, ACTOR, clock=clock)
         self._states = SessionStates(bus, self._kernel.log)
@@ -1400,7 +1419,8 @@ class Planner:
         agents = {name: (self._offer(sid, name), p.rules) for name, p in self._agents.items()}
         return decide(state, offer, now=self._clock(), max_iterations=self._max_iterations,
                       max_tokens=self._max_tokens, rules=self._rules, agents=agents,
-                      compression=self._compression, unknown_agent=self._unknown_agent)
+                      compression=self._compression, unknown_agent=self._unknown_agent,
+                      max_calls=self._max_calls)
 
     def _unknown_agent(self, agent: str | None) -> str | None:
         """Why a turn's `agent` names nobody (a misspelt `--agent`), or None. With no named

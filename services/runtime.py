@@ -163,7 +163,7 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
             # With the approval actor here too, the model's calls are approved and
             # dispatched as the planner stores them (no hop through two actors).
             started.append(await start_planner(bus, settings, approval=approval,
-                                               policy=policy))
+                                               policy=policy, max_calls=max_calls))
         except BaseException:
             await stop_actors(started)
             raise
@@ -201,9 +201,11 @@ def _member_name(instance: str | None, kind: str) -> str | None:
 
 async def start_planner(bus: Bus, settings: ActorSettings, *,
                         approval: ApprovalActor | None = None,
-                        policy: Policy | None = None) -> Actor:
+                        policy: Policy | None = None,
+                        max_calls: int | None = None) -> Actor:
     """The planner of the manifest's `agent_config`, with its own view of the catalog;
-    `policy` (default: the manifest's) bounds what it offers the model."""
+    `policy` (default: the manifest's) bounds what it offers the model, `max_calls`
+    (default: the manifest's `max_calls_per_turn`) how many calls a turn makes."""
     from actors.agent_tools import AgentExecutor, agent_profiles
     from actors.compressor import Compression, Compressor
     from actors.context_tools import ContextExecutor
@@ -212,7 +214,10 @@ async def start_planner(bus: Bus, settings: ActorSettings, *,
     from actors.planner import Planner, Rules
 
     assert settings.manifest is not None and settings.manifest.agent_config.model is not None
-    policy = policy or manifest_policy(settings)[0]
+    if policy is None or max_calls is None:
+        read_policy, read_max_calls = manifest_policy(settings)
+        policy = read_policy if policy is None else policy
+        max_calls = read_max_calls if max_calls is None else max_calls
     agent = settings.manifest.agent_config
     m = agent.model
     assert m is not None
@@ -228,7 +233,8 @@ async def start_planner(bus: Bus, settings: ActorSettings, *,
                       max_iterations=agent.limits.max_iterations,
                       max_tokens=agent.limits.max_tokens_per_turn,
                       instance=_member_name(settings.instance, "planner"),
-                      approval=approval, max_parallel=policy.max_parallel, policy=policy)
+                      approval=approval, max_parallel=policy.max_parallel,
+                      max_calls=max_calls, policy=policy)
     # The named agents' tools (`agent:<name>`) run here, beside the planner that plans
     # their child turns; named apart from this process's other executors.
     runner = AgentExecutor(bus, agent.agents,

@@ -721,6 +721,36 @@ async def test_a_tool_the_model_was_not_offered_is_refused_and_never_runs(
     assert not [p for p in await ApprovalStore(bus).load() if p.session_id == sid]
 
 
+async def test_a_model_asking_for_more_calls_than_a_turn_may_make_gets_the_rest_refused(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str) -> None:
+    # A prompt-injected model asks for 100 writes in one reply: as many as a request may
+    # carry (max_calls_per_turn) go on to the approval actor, the rest are refused by the
+    # planner and never ask a human.
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings, max_calls=5,
+                tools=lambda spec: spec.name.startswith("approvals:"))
+    await p.start()
+    try:
+        model.script = [(200, reply(calls=[(f"w{i}", "approvals__write", {"text": f"{i}"})
+                                           for i in range(100)])),
+                        (200, reply("Too many."))]
+        end = await asyncio.wait_for(client.ask(sid, "Write 100 times."), 30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "Too many."
+    assert len(end.outcomes) == 100
+    refused = [o for o in end.outcomes if o.error is not None
+               and o.error.error_type == "too_many_calls"]
+    assert len(refused) == 95
+    assert "the limit is 5 calls per turn" in refused[0].error.message
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    assert len([e for e in events if type(e).__name__ == "ApprovalRequested"]) == 5
+    told = [m for m in model.received[1]["messages"] if m["role"] == "tool"]
+    assert "the limit is 5 calls per turn" in told[-1]["content"]
+
+
 async def test_toolbus_chat_prints_no_control_characters_a_model_sends(
         planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
     model.script = [(200, reply("safe\x1b]0;owned\x07 text\x1b[2J\u009b2J\u202e"
