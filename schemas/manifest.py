@@ -484,6 +484,11 @@ def _jmespath(v: str) -> str:
         raise ValueError(f"when_state {v!r} is not a JMESPath expression: "
                          f"{why.rstrip(': ')}{f' (at character {at})' if at is not None else ''}"
                          ) from exc
+    except RecursionError:
+        # JMESPath's parser recurses once per level of nesting.
+        raise ValueError(f"when_state ({len(v)} characters) nests too deeply for a JMESPath "
+                         "parser; write it with fewer nested brackets, parentheses or "
+                         "negations") from None
     return v
 
 

@@ -235,6 +235,18 @@ def test_a_policy_gives_when_or_when_state_not_both() -> None:
     assert "agent_config.policies[0].when_state:" in bad and "not a JMESPath expression" in bad
 
 
+@pytest.mark.parametrize("expression", ["(" * 5000 + "a" + ")" * 5000,
+                                        "!" * 20000 + "a",
+                                        "`" + "[" * 5000 + "]" * 5000 + "`"])
+def test_a_when_state_nested_too_deeply_is_refused_naming_its_key(expression: str) -> None:
+    # JMESPath's parser recurses per level: `toolbus up` died with a RecursionError
+    # traceback.
+    bad = problems_of("agent_config: {policies: [{id: p, action: a, when_state: '"
+                      + expression + "'}]}")
+    assert "agent_config.policies[0].when_state:" in bad and "nests too deeply" in bad
+    assert len(bad) < 1000
+
+
 @pytest.mark.parametrize(("text", "path"), [
     ("agent_config: {output_schema: {type: objekt}}", "agent_config.output_schema"),
     ("agent_config: {output_schema: {type: object, required: answer}}",
