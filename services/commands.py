@@ -1127,6 +1127,10 @@ async def _executors(url: str) -> int:
     return EXIT_OK
 
 
+# Characters of a pending call's arguments `toolbus approvals` prints before cutting them.
+_APPROVAL_ARGUMENTS_SHOWN = 2000
+
+
 async def _approvals(url: str, args: argparse.Namespace) -> int:
     from bus.approvals import ApprovalStore
 
@@ -1146,9 +1150,13 @@ async def _approvals(url: str, args: argparse.Namespace) -> int:
     for p in pending:
         # The model wrote the arguments: without the characters that would reorder or hide
         # what the approver reads (JSON escapes control characters, not bidi overrides).
+        # Whole, up to a bound: a cut the approver cannot see hides what a padded call
+        # does past it.
         args_text = _printable(_json.encode(p.arguments).decode())
-        if len(args_text) > 120:
-            args_text = args_text[:119] + "…"
+        if len(args_text) > _APPROVAL_ARGUMENTS_SHOWN:
+            args_text = (f"{args_text[:_APPROVAL_ARGUMENTS_SHOWN]}… "
+                         f"({len(args_text) - _APPROVAL_ARGUMENTS_SHOWN} more characters not "
+                         "shown: toolbus approvals --json shows them)")
         sys.stdout.write(_printable(
             f"{p.call_id}  session={p.session_id}  {p.tool}  risk={p.risk}  "
             f"age={now - p.requested_at:.0f}s  expires_in={p.expires_at - now:.0f}s\n"

@@ -252,6 +252,29 @@ async def test_the_cli_approves_from_another_process(bus, client, sid, nats_url)
     assert state.calls[decision.call_id].decided_by == "carol"
 
 
+async def test_the_approvals_list_shows_the_arguments_a_human_approves_whole(
+        bus, client, sid, nats_url) -> None:
+    # A prompt-injected model pads what it asks for: the listing cut the arguments at
+    # 120 characters with a bare "…", so the approver never saw the end of them.
+    text = "routine cleanup of temporary files, nothing else " * 4 + "AND /etc/passwd"
+    decision, task = await _decision(bus, client, sid, "approvals:write", {"text": text},
+                                     wait_end=False)
+    listed = await asyncio.to_thread(run_toolbus, "approvals", "--nats", nats_url)
+    assert "AND /etc/passwd" in listed.stdout
+    huge = "x" * 9000 + "HIDDEN"
+    other, other_task = await _decision(bus, client, f"{sid}-2", "approvals:write",
+                                        {"text": huge}, wait_end=False)
+    listed = await asyncio.to_thread(run_toolbus, "approvals", "--nats", nats_url)
+    line = next(x for x in listed.stdout.splitlines() if "x" * 100 in x)
+    assert "HIDDEN" not in line and len(line) < 5000
+    assert "more characters not shown: toolbus approvals --json shows them" in line
+    for call_id, s in ((decision.call_id, sid), (other.call_id, f"{sid}-2")):
+        await bus.request(approval_subject(s, call_id, "tester"),
+                          b'{"decision": "deny", "by": "ada", "reason": "padded"}', timeout=5)
+    await task
+    await other_task
+
+
 # --- parallel and side-effect rules ---------------------------------------------------------
 
 
