@@ -231,15 +231,17 @@ class Rules:
 
     def holds(self, policy: AgentPolicy, document: Any) -> tuple[bool, str | None]:
         """Whether `policy.when_state` holds over `document` (JMESPath truthiness), and
-        why not when it could not be evaluated."""
+        why not when it could not be evaluated. Evaluated as `_transform` is, within a
+        bound of steps and size: an expression can build a value exponentially larger
+        than the state (`[@,@]|[]`, again and again), in the planner's event loop."""
+        assert policy.when_state is not None  # compiled in `_conditions` at boot
         try:
-            value = self._conditions[policy.id].search(document)
-        except (jmespath.exceptions.JMESPathError, TypeError, ValueError,
-                RecursionError) as exc:
+            value = compress.transform(document, policy.when_state)
+        except compress.TransformError as exc:
             # Not only JMESPath's own errors: its comparisons and functions raise
             # TypeError / ValueError on values of an unexpected type (`"150" > 100`), and
             # the state holds whatever the tools returned.
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            why = exc.reason.removeprefix("failed: ").removesuffix("; select less")
             return False, (f"{policy.id}: when_state failed ({clip(why, 300)}); taken as "
                            "not applying")
         return _truthy(value), None

@@ -670,6 +670,23 @@ def test_when_state_follows_jmespath_truth_and_an_expression_that_fails_counts_a
     assert note.startswith("broken: when_state failed")
 
 
+def test_a_when_state_that_would_build_an_exponential_value_is_stopped_and_noted() -> None:
+    # Each `[@,@]|[]` doubles the list: 26 of them took 38 s of the planner's event loop
+    # (every session waited), 30 would take 8 GB. Bounded as `_transform` is.
+    rules = agent({"policies": [
+        {"id": "bomb", "when_state": "length(a" + "|[@,@]|[]" * 40 + ") > `0`",
+         "action": "Never."},
+        {"id": "plain", "when_state": "length(a) > `0`", "action": "Always."}]})
+    state = _fold([TurnRequested(session_id="s", at=0.0, actor="session", turn_id="t",
+                                 request_id="t", call_ids=[], message="hi")])
+    state.data.update({"a": [1]})
+    (matched,) = decide(state, Offer(provider="openai", model="m"), now=0.0, rules=rules)
+    assert isinstance(matched.event, PoliciesMatched)
+    assert matched.event.matched == ["plain"]
+    (note,) = matched.event.notes
+    assert note.startswith("bomb: when_state failed") and "steps" in note
+
+
 def test_an_output_schema_that_is_not_an_object_is_emitted_under_output() -> None:
     rules = agent({"output_schema": {"type": "array", "items": {"type": "string"}}})
     assert rules.emit is not None
