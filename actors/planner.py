@@ -330,8 +330,8 @@ def decide(state: SessionState, offer: Offer, *, now: float,
     that agent's offer and rules (actors/agent_tools.py). With `compression` (a compressor
     runs), the model is asked again only once each result over its budget, or made with
     `_transform`, has its `result.compressed`. A turn whose agent `unknown_agent` says
-    (why) is unknown ends at once, before any model call. Past `max_calls` calls in a
-    turn (the policy's `max_calls_per_turn`), the model's calls are refused."""
+    (why) is unknown ends at once, before any model call. A reply whose calls would take
+    the turn past `max_calls` (the policy's `max_calls_per_turn`) ends it."""
     out: list[Append] = []
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
@@ -424,17 +424,26 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
     A call of a tool the model was not offered (outside the policies that apply, or the
     agent's tools: a model can be talked into naming any tool) is stored refused by the
     planner itself, under the id the approval actor's decision would take, so it never
-    runs; the model reads why. So is each call past the turn's `max_calls` (a model
-    asking for a hundred writes at once would otherwise ask a human a hundred times)."""
+    runs; the model reads why.
+
+    Calls that would take the turn past `max_calls` end it (`too_many_calls`) with none
+    of them requested, as a request with too many is refused whole: a model asking for a
+    hundred writes would ask a human a hundred times, and the turn's end, which lists
+    every call, must fit in one event."""
     sid = state.session_id
     out: list[Append] = []
     emits = [c for c in last.tool_calls if rules.emit is not None and c.name == EMIT_OUTPUT]
     real = [c for c in last.tool_calls if c not in emits]
     writes = rules.output_tools()
-    requested = len(turn.call_ids)  # the reply's calls are stored in its order
+    new = sum(1 for c in real if c.call_id not in state.calls)
+    if new and len(turn.call_ids) + new > max_calls:
+        return [_fail(state, turn, "too_many_calls",
+                      f"the model asked for {new} calls in its last reply, "
+                      f"{len(turn.call_ids) + new} in this turn; the limit is {max_calls} "
+                      "calls per turn (policy.max_calls_per_turn), so none of them ran",
+                      now)]
     for c in real:
         if c.call_id not in state.calls:
-            requested += 1
             arguments, transform, bad_transform = split_transform(c.arguments)
             out.append(Append(CallRequested(
                 session_id=sid, at=now, actor=ACTOR, call_id=c.call_id, turn_id=turn.turn_id,
@@ -455,15 +464,6 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
                     rule="planner:offered",
                     message=clip(f"{c.name} is not one of the tools offered to you in this "
                                  f"turn; call one of: {listed}")),
-                    policy_decision_id(sid, c.call_id)))
-            elif requested > max_calls:
-                out.append(Append(CallRejected(
-                    session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
-                    turn_id=turn.turn_id, tool=c.name, reason="too_many_calls",
-                    rule="planner:max_calls",
-                    message=f"this turn asked for {requested} calls; the limit is "
-                            f"{max_calls} calls per turn, so this one does not run: answer "
-                            "with the results you have"),
                     policy_decision_id(sid, c.call_id)))
     judged = {v.call_id for v in turn.verdicts}
     emitted = turn.output_call_id is not None

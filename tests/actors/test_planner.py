@@ -721,34 +721,35 @@ async def test_a_tool_the_model_was_not_offered_is_refused_and_never_runs(
     assert not [p for p in await ApprovalStore(bus).load() if p.session_id == sid]
 
 
-async def test_a_model_asking_for_more_calls_than_a_turn_may_make_gets_the_rest_refused(
+async def test_a_model_asking_for_more_calls_than_a_turn_may_make_ends_the_turn(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str) -> None:
-    # A prompt-injected model asks for 100 writes in one reply: as many as a request may
-    # carry (max_calls_per_turn) go on to the approval actor, the rest are refused by the
-    # planner and never ask a human.
+    # A prompt-injected model asks for 100 writes in one reply: past max_calls_per_turn
+    # the turn ends, none of them requested, as a request with too many is refused
+    # whole. It asked a human 100 times; and the calls of 25 such replies (no bound at
+    # all) made a turn end too large for an event, so the turn never ended.
     settings = ModelSettings(provider="openai", model="scripted", api_key="k",
                              base_url=f"http://127.0.0.1:{model.port}/v1")
     p = Planner(bus, system["catalog"], settings, max_calls=5,
-                tools=lambda spec: spec.name.startswith("approvals:"))
+                tools=lambda spec: spec.name.startswith(("approvals:", "built-in:")))
     await p.start()
     try:
-        model.script = [(200, reply(calls=[(f"w{i}", "approvals__write", {"text": f"{i}"})
+        model.script = [(200, reply(calls=[(f"e{i}", "built-in__echo", {"text": f"{i}"})
+                                           for i in range(3)])),
+                        (200, reply(calls=[(f"w{i}", "approvals__write", {"text": f"{i}"})
                                            for i in range(100)])),
-                        (200, reply("Too many."))]
+                        (200, reply("Never asked."))]
         end = await asyncio.wait_for(client.ask(sid, "Write 100 times."), 30)
     finally:
         await p.stop()
-    assert isinstance(end, TurnCompleted) and end.text == "Too many."
-    assert len(end.outcomes) == 100
-    refused = [o for o in end.outcomes if o.error is not None
-               and o.error.error_type == "too_many_calls"]
-    assert len(refused) == 95
-    assert "the limit is 5 calls per turn" in refused[0].error.message
+    assert isinstance(end, TurnFailed) and end.reason == "too_many_calls", end
+    assert end.message == ("the model asked for 100 calls in its last reply, 103 in this "
+                           "turn; the limit is 5 calls per turn (policy.max_calls_per_turn), "
+                           "so none of them ran")
+    assert [o.status for o in end.outcomes] == ["succeeded"] * 3
     events = [s.event for s in await EventLog(bus).read_session(sid)]
-    assert len([e for e in events if type(e).__name__ == "ApprovalRequested"]) == 5
-    told = [m for m in model.received[1]["messages"] if m["role"] == "tool"]
-    assert "the limit is 5 calls per turn" in told[-1]["content"]
+    assert not [e for e in events if type(e).__name__ == "ApprovalRequested"]
+    assert len(model.received) == 2
 
 
 async def test_toolbus_chat_prints_no_control_characters_a_model_sends(
