@@ -908,6 +908,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
             return _error(404, "metrics are off in this process")
         return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.head("/healthz", include_in_schema=False)  # as some load balancers ask
     @app.get("/healthz", response_model=Health, summary="Is the gateway up (no token)")
     async def health() -> Response:
         return JSONResponse({"ok": True})  # and nothing more: anyone may ask

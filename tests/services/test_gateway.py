@@ -85,7 +85,9 @@ async def _ended(bus: Bus, sid: str) -> list[Event]:
 async def test_healthz_needs_no_token_and_tells_nothing(web: Web) -> None:
     async with web.as_role(None) as anyone:
         got = await anyone.get("/healthz")
+        probed = await anyone.head("/healthz")  # as some load balancers ask
     assert got.status_code == 200 and got.json() == {"ok": True}
+    assert probed.status_code == 200 and probed.content == b""
 
 
 async def test_every_route_but_healthz_refuses_no_token_and_a_wrong_token(

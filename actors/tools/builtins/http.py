@@ -455,8 +455,12 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
         except (TimeoutError, httpcore.TimeoutException) as exc:
             raise ToolError(f"{method} {shown(url)} did not answer within {cfg.timeout_ms} ms",
                             error_type="timeout", retryable=True) from exc
-        except (httpcore.NetworkError, httpcore.ProtocolError,
-                httpcore.UnsupportedProtocol) as exc:
+        except (httpcore.LocalProtocolError, httpcore.UnsupportedProtocol) as exc:
+            # What this call asked for cannot be sent (a header h11 refuses): the same
+            # call again would fail the same way.
+            raise ToolError(f"{method} {shown(url)} could not be sent: {exc}",
+                            error_type="http_error", retryable=False) from exc
+        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
             raise ToolError(f"{method} {shown(url)} failed: {type(exc).__name__}: {exc}",
                             error_type="http_error", retryable=True) from exc
         data, truncated = _decode_body(raw, cut, reply.get("content-type", ""), cfg)

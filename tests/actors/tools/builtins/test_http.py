@@ -235,6 +235,11 @@ async def test_http_refuses_framing_headers_and_credentials_in_the_url(
         with pytest.raises(ToolError, match="only ASCII") as err:
             await run_tool(t, {"path": f"{a.url}/x", "headers": headers})
         assert err.value.error_type == "header_not_allowed"
+    # Refused by h11 as it frames the request: no retry can send it either.
+    for headers in ({"X-A": "a\r\nX-Injected: 1"}, {"X A": "v"}, {"X-A": "a\x00b"}):
+        with pytest.raises(ToolError, match="could not be sent") as err:
+            await run_tool(t, {"path": f"{a.url}/x", "headers": headers})
+        assert err.value.error_type == "http_error" and not err.value.retryable
     with pytest.raises(ToolError, match="user name or password in the URL") as err:
         await run_tool(t, {"path": f"http://u:p@127.0.0.1:{a.port}/x"})
     assert err.value.error_type == "url_not_allowed" and a.hits == []
