@@ -34,7 +34,7 @@ from actors.planner import AgentProfile, Rules
 from actors.tools import Resource, RunnableTool, ToolError
 from bus.client import ToolbusClient
 from bus.connection import Bus
-from schemas.errors import BusTimeoutError
+from schemas.errors import BusTimeoutError, ToolbusError
 from schemas.events import (
     Event,
     RequestRejected,
@@ -42,7 +42,7 @@ from schemas.events import (
     TurnCompleted,
     TurnFailed,
 )
-from schemas.ids import child_session_id, depth_of
+from schemas.ids import child_session_id, depth_of, turn_id_for
 from schemas.manifest import AGENT_TOOL_NAMESPACE, AgentConfig, AgentDef, ModelConfig
 from schemas.tools import Annotations, ToolSpec
 
@@ -50,6 +50,8 @@ AGENT_POOL: Final = "agents"
 AGENT_SOURCE: Final = "agent"
 # A child turn may wait for humans (approvals) inside it: the call waits that long too.
 AGENT_TIMEOUT_MS: Final = 1_800_000
+# An agent call stops waiting this long before its timeout, to cancel the child turn.
+_STOP_MARGIN_S: Final = 3.0
 # Agents calling agents: the depth of nesting at which a call is refused.
 MAX_AGENT_DEPTH: Final = 4
 
@@ -148,18 +150,34 @@ class AgentTool:
         try:
             # Waiting, it holds none of the executor's slots: the child's own agent calls
             # need them (with every slot held by a waiting parent, none could start).
+            request_id = child_request_id(d.session_id, d.call_id)
             with delivery.waiting() if delivery is not None else contextlib.nullcontext():
-                # A little longer than the executor's own timeout, which ends it first.
+                # Ended a little before the executor's own timeout, to stop the child turn:
+                # left running, it would go on (a call of it approved an hour later would
+                # run) for a parent that gave up on it.
                 end: Event = await client.ask(
-                    child, arguments["message"], agent=self.agent,
-                    request_id=child_request_id(d.session_id, d.call_id),
-                    timeout=timeout_s + 5)
+                    child, arguments["message"], agent=self.agent, request_id=request_id,
+                    timeout=timeout_s - _stop_margin(timeout_s))
         except BusTimeoutError as exc:
-            raise ToolError(f"agent {self.agent} (session {child}) did not answer: {exc}",
-                            error_type="timeout", retryable=True) from exc
+            stopped: Event | None = None
+            with contextlib.suppress(ToolbusError):
+                stopped = await client.cancel(
+                    child, turn_id_for(request_id), timeout=_stop_margin(timeout_s) * 0.8,
+                    reason=f"call {d.call_id} of session {d.session_id}, which asked for "
+                           "this turn, timed out")
+            if isinstance(stopped, TurnCompleted):  # it answered just in time
+                return answer_of(self.agent, child, stopped)
+            what = ("its turn was stopped" if isinstance(stopped, TurnCancelled) else
+                    "and its turn could not be stopped: it may go on")
+            raise ToolError(f"agent {self.agent} (session {child}) did not answer in time; "
+                            f"{what}: {exc}", error_type="timeout", retryable=True) from exc
         finally:
             await client.close()
         return answer_of(self.agent, child, end)
+
+
+def _stop_margin(timeout_s: float) -> float:
+    return min(_STOP_MARGIN_S, timeout_s / 4)
 
 
 def answer_of(agent: str, child: str, end: Event) -> dict[str, Any]:

@@ -290,6 +290,9 @@ def decide_request(state: SessionState, request: Request, request_id: str, *, no
     """The events a request makes due in its session: a new turn, the calls a crash left
     out of a stored turn, or a `duplicate_request` rejection."""
     sid = state.session_id
+    if request.cancel is not None:
+        return decide_cancel(state, request.cancel, request_id, reason=request.reason,
+                             now=now, subject=subject, request_seq=request_seq)
     turn_id = turn_id_for(request_id)
     known = state.turns.get(turn_id)
     if known is None and request.message is not None and not accept_messages:
@@ -320,6 +323,44 @@ def decide_request(state: SessionState, request: Request, request_id: str, *, no
 
 
 CANCELLABLE = frozenset({"requested", "awaiting_approval", "approved"})
+
+
+def decide_cancel(state: SessionState, turn_id: str, request_id: str, *,
+                  reason: str | None, now: float, subject: str,
+                  request_seq: int) -> list[Append]:
+    """A request to stop a running turn: `turn.cancelled` (`cancelled`, `by` the request),
+    its calls not yet dispatched `call.failed` `cancelled` (one waiting for a human
+    included); calls already running finish and are recorded, nothing acts on them. A
+    turn unknown or already ended is a `request.rejected` saying so."""
+    sid = state.session_id
+    turn = state.turns.get(turn_id)
+    if turn is None or turn_id not in state.open_turns:
+        why = "unknown_turn" if turn is None else "turn_ended"
+        said = (f"session {sid} has no turn {turn_id}" if turn is None else
+                f"turn {turn_id} already ended ({turn.status})")
+        return [Append(RequestRejected(
+            session_id=sid, at=now, actor=ACTOR, reason=why, request_id=request_id,
+            subject=subject, message=f"nothing to cancel: {said}"),
+            request_rejected_id(request_seq))]
+    out: list[Append] = []
+    for call_id in turn.call_ids:
+        call = state.calls.get(call_id)
+        if call is not None and call.status in CANCELLABLE:
+            out.append(Append(CallFailed(
+                session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=turn_id,
+                error_type="cancelled",
+                message=f"{call.tool} did not run: its turn was cancelled by request "
+                        f"{request_id}"), call_terminal_id(sid, call_id)))
+    cancelled = {i.event.call_id for i in out if isinstance(i.event, CallFailed)}
+    outcomes = [state.calls[c].outcome() for c in turn.call_ids
+                if c in state.calls and state.calls[c].terminal and c not in cancelled]
+    out.append(Append(TurnCancelled(
+        session_id=sid, at=now, actor=ACTOR, turn_id=turn_id, request_id=turn.request_id,
+        reason="cancelled", by=request_id,
+        message=(f"cancelled by request {request_id}" + (f": {reason}" if reason else "")
+                 + "; calls already running finish and are recorded, nothing acts on them"),
+        outcomes=outcomes), turn_ended_id(sid, turn_id)))
+    return out
 
 
 def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: float,

@@ -187,6 +187,38 @@ class ToolbusClient:
                     break
         return w
 
+    async def cancel(self, session_id: str, turn_id: str, *, reason: str | None = None,
+                     timeout: float = 30.0) -> TurnEnd:
+        """Stop a running turn and wait (bounded) for how it ended: its `turn.cancelled`,
+        its own end if it ended first, or the `request.rejected` saying there was nothing
+        to cancel (an unknown turn, one already ended)."""
+        check_session_id(session_id)
+        request_id = f"cancel-{uuid.uuid4().hex}"
+        body: dict[str, Any] = {"request_id": request_id, "cancel": turn_id}
+        if reason is not None:
+            body["reason"] = reason
+        watcher = await self._watch(session_id)
+        loop = asyncio.get_running_loop()
+        keys = (turn_id, turn_id_for(request_id))
+        futures: dict[str, asyncio.Future[TurnEnd]] = {key: loop.create_future()
+                                                       for key in keys}
+        for key, fut in futures.items():
+            watcher.waiting[key] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                await self.submit(session_id, msgspec.json.encode(body), request_id=request_id)
+                done, _ = await asyncio.wait(futures.values(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                return done.pop().result()
+        except TimeoutError as exc:
+            raise BusTimeoutError(
+                f"turn {turn_id} of session {session_id} did not end within {timeout:g} s "
+                "of the request to cancel it: is the session actor running?") from exc
+        finally:
+            for key, fut in futures.items():
+                if watcher.waiting.get(key) is fut:
+                    del watcher.waiting[key]
+
     async def ask(self, session_id: str, message: str, *, request_id: str | None = None,
                   agent: str | None = None, timeout: float = 120.0) -> TurnEnd:
         """Send the agent a message and wait (bounded) for the end of its turn: the

@@ -26,7 +26,7 @@ import msgspec
 from schemas.defaults import MAX_CALLS_PER_REQUEST, MAX_JSON_DEPTH, MAX_REQUEST_BYTES
 from schemas.errors import ConfigError, InvalidRequestError
 from schemas.events import ChatMessage, ThinkRequest
-from schemas.ids import AUTO_REQUEST_PREFIX, TOOL_EVENT_PREFIX, is_token
+from schemas.ids import AUTO_REQUEST_PREFIX, TOKEN_RULE, TOOL_EVENT_PREFIX, is_token
 from schemas.validation import Validator
 
 DEFAULT_MAX_REQUEST_BYTES: Final = MAX_REQUEST_BYTES
@@ -52,11 +52,15 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     message: str | None = None
     history: list[ChatMessage] = []
     think: list[ThinkRequest] = []  # think steps for this turn (`built-in:reason`)
+    # Not a turn: the running turn to cancel, and why (`{"cancel": turn_id, "reason"}`).
+    cancel: str | None = None
+    reason: str | None = None
 
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024
+MAX_CANCEL_REASON_CHARS: Final = 1000
 _KNOWN_KEYS: Final = frozenset({"request_id", "calls", "agent", "message", "messages",
-                                "think"})
+                                "think", "cancel", "reason"})
 MAX_THINK_STEPS: Final = 8
 MAX_THINK_INSTRUCTION_CHARS: Final = 8000
 META_FIELDS: Final = ("_reasoningForCall", "_outputPath", "_delegate", "_instance",
@@ -115,6 +119,8 @@ def parse_request(
             "invalid_request",
             f"agent {agent!r} is not a valid name: use 1 to 128 characters from A-Z a-z 0-9 _ -",
         )
+    if "cancel" in body or "reason" in body:
+        return _parse_cancel(body, request_id)
     think = _parse_think(body["think"]) if "think" in body else []
     if think and "message" not in body and "messages" not in body:
         raise InvalidRequestError("invalid_request", "think steps need a message: they run "
@@ -164,6 +170,27 @@ def parse_request(
             )
         parsed.append(_parse_call(call, where))
     return Request(request_id=request_id, calls=parsed, agent=agent)
+
+
+def _parse_cancel(body: dict[str, Any], request_id: str | None) -> Request:
+    """`{"cancel": turn_id, "reason"?, "request_id"?}`: stop a running turn."""
+    extra = sorted(set(body) - {"cancel", "reason", "request_id"})
+    if extra or "cancel" not in body:
+        raise InvalidRequestError(
+            "invalid_request", "a cancel request has cancel (the turn id), and may have "
+            "reason and request_id" + (f"; not {', '.join(extra)}" if extra else ""))
+    turn_id, reason = body["cancel"], body.get("reason")
+    if not is_token(turn_id):
+        raise InvalidRequestError(
+            "invalid_request", f"cancel must be a turn id ({TOKEN_RULE}), got "
+            f"{_json_type(turn_id)}")
+    if reason is not None and (not isinstance(reason, str) or not reason.strip()
+                               or len(reason) > MAX_CANCEL_REASON_CHARS):
+        raise InvalidRequestError(
+            "invalid_request", f"reason must be a non-empty string of at most "
+            f"{MAX_CANCEL_REASON_CHARS} characters")
+    return Request(request_id=request_id, calls=[], cancel=turn_id,
+                   reason=strip_controls(reason) if reason is not None else None)
 
 
 def _parse_think(value: Any) -> list[ThinkRequest]:

@@ -292,6 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", default=None, help="who decides (default: $USER)")
     _add_nats(p)
 
+    p = sub.add_parser("cancel", help="stop a running turn: its calls not yet running are "
+                                      "cancelled, those running finish")
+    p.add_argument("turn_id", help="the turn, as `toolbus replay` or the request's answer "
+                                   "names it")
+    p.add_argument("--session", required=True)
+    p.add_argument("--reason", default=None, help="why; stored with the cancellation")
+    p.add_argument("--timeout", type=_positive_float, default=30.0,
+                   help="seconds to wait for the turn to end (default 30)")
+    _add_nats(p)
+
     p = sub.add_parser("top", help="one deployment's metrics, live: sessions, calls/s, "
                                    "p50/p99 by tool, lag per pool")
     p.add_argument("--url", action="append", default=[], metavar="URL",
@@ -416,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_approvals(url, args))
             case "approve" | "deny":
                 return _run(_decide(url, args))
+            case "cancel":
+                return _run(_cancel(url, args))
             case "bench" if args.what == "validation":
                 from services.bench import bench_validation
                 return bench_validation(json_out=args.json)
@@ -784,6 +796,36 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         await client.close()
         await bus.close()
     return code
+
+
+async def _cancel(url: str, args: argparse.Namespace) -> int:
+    """`toolbus cancel TURN --session SID`: 0 once the turn is cancelled; 1 when there was
+    nothing to cancel (an unknown turn, one that ended first), saying how it ended."""
+    from bus.client import ToolbusClient
+
+    session = check_session_id(args.session)
+    if not is_token(args.turn_id):
+        print(f"toolbus: invalid turn id {args.turn_id!r}: `toolbus replay {session}` "
+              "names the session's turns", file=sys.stderr)
+        return EXIT_USAGE
+    if args.reason is not None and not args.reason.strip():
+        print("toolbus: --reason must say why (or leave it out)", file=sys.stderr)
+        return EXIT_USAGE
+    bus = await connect(url, name="toolbus-cancel")
+    client = ToolbusClient(bus)
+    try:
+        end = await client.cancel(session, args.turn_id, reason=args.reason,
+                                  timeout=args.timeout)
+    finally:
+        await client.close()
+        await bus.close()
+    if isinstance(end, TurnCancelled):
+        print(f"turn {args.turn_id} cancelled: {_printable(end.message)}", file=sys.stderr)
+        return EXIT_OK
+    what = (f"refused: {_printable(end.message)}" if isinstance(end, RequestRejected) else
+            f"the turn ended first ({type(end).__struct_config__.tag})")
+    print(f"toolbus: nothing cancelled: {what}", file=sys.stderr)
+    return EXIT_CALL_FAILED
 
 
 async def _call(url: str, args: argparse.Namespace) -> int:

@@ -722,11 +722,15 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         # /tool_events. The number of calls is left to the session actor, whose limit is
         # the manifest's policy (a stored rejection).
         try:
-            parse_request(body, max_bytes=DEFAULT_MAX_REQUEST_BYTES, max_calls=sys.maxsize)
+            checked = parse_request(body, max_bytes=DEFAULT_MAX_REQUEST_BYTES,
+                                    max_calls=sys.maxsize)
         except InvalidRequestError as exc:
             status = 413 if exc.reason == "payload_too_large" else 400
             return JSONResponse({"ok": False, "error": exc.message, "code": exc.reason},
                                 status_code=status)
+        if streamed and checked.cancel is not None:
+            return _error(400, "a cancel request starts no turn to stream: follow the turn "
+                               "it cancels (GET /sessions/{sid}/events?turn=)")
         request_id = parsed.get("request_id") if isinstance(parsed, dict) else None
         if not isinstance(request_id, str):
             request_id = uuid.uuid4().hex

@@ -73,6 +73,7 @@ TEST_POLICY = Policy(
     approval_timeout_s=3.0,
     # Requests that name no agent are the default agent's: grants apply to them too.
     agents={"restricted": ("built-in:*",), "writer": ("approvals:*", "built-in:echo"),
+            "slowpoke": ("approvals:*",),
             "delegate": ("agent:*",), "default": ("*",)},
     sessions={"granted-*": ("built-in:*",)},
 )

@@ -34,12 +34,13 @@ from schemas.errors import BusTimeoutError
 from schemas.events import (
     ModelRequested,
     ModelResponded,
+    RequestRejected,
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
 )
 from schemas.tools import ToolSpec
-from tests.conftest import REPO, EventWatch, Proc
+from tests.conftest import REPO, EventWatch, Proc, settled_state
 
 
 class ScriptedChat:
@@ -771,3 +772,54 @@ async def test_toolbus_chat_prints_no_control_characters_a_model_sends(
     assert "]0;owned" in replay.stdout
     for bad in ("\x1b", "\x07", "\u009b", "\u202e"):
         assert bad not in replay.stdout, bad
+
+
+async def test_a_turn_waiting_for_a_human_is_cancelled_from_another_process(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, nats_url: str) -> None:
+    from bus.approvals import ApprovalStore
+    from tests.conftest import of_type
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings,
+                tools=lambda spec: spec.name.startswith("approvals:"))
+    await p.start()
+    try:
+        async with EventWatch(bus, sid) as watch:
+            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
+                            (200, reply("Written."))]
+            asking = asyncio.create_task(client.ask(sid, "Write hi."))
+            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
+            waiting = of_type(events, "approval.requested")[0]
+            # The user's stop button: `toolbus cancel`, as from another terminal.
+            stopped = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "services.cli", "cancel",
+                                 waiting.turn_id, "--session", sid, "--reason",
+                                 "changed my mind", "--nats", nats_url],
+                capture_output=True, text=True, timeout=60, cwd=REPO)
+            assert stopped.returncode == 0, stopped.stderr
+            assert "cancelled" in stopped.stderr and "changed my mind" in stopped.stderr
+            end = await asyncio.wait_for(asking, 30)
+            assert isinstance(end, TurnCancelled) and end.reason == "cancelled", end
+            # Nothing is left to decide, nor to cancel.
+            late = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "services.cli", "approve",
+                                 waiting.call_id, "--session", sid, "--nats", nats_url],
+                capture_output=True, text=True, timeout=60, cwd=REPO)
+            assert late.returncode != 0, late.stdout
+            again = await client.cancel(sid, waiting.turn_id)
+            assert isinstance(again, RequestRejected) and again.reason == "turn_ended"
+            nothing = await client.cancel(sid, "no-such-turn")
+            assert isinstance(nothing, RequestRejected) and nothing.reason == "unknown_turn"
+        async with asyncio.timeout(15):
+            while any(a.call_id == waiting.call_id  # noqa: ASYNC110 - a KV, polled
+                      for a in await ApprovalStore(bus).load()):
+                await asyncio.sleep(0.1)
+    finally:
+        await p.stop()
+    state = await settled_state(bus, client, sid)
+    call = state.calls[waiting.call_id]
+    assert call.status == "failed" and call.error is not None
+    assert call.error.error_type == "cancelled" and call.started_at is None
+    assert len(model.received) == 1  # the model is not asked about a cancelled turn

@@ -341,3 +341,54 @@ async def test_agent_calls_waiting_for_their_children_hold_none_of_the_executors
                                       for i in range(3)))
         assert all(isinstance(e, TurnCompleted) for e in ends), ends
         assert len(server.received) == 3 * 2 * (MAX_AGENT_DEPTH + 1)
+
+
+async def test_an_agent_call_that_times_out_stops_its_child_turn(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bus.approvals import ApprovalStore
+    from schemas.events import TurnCancelled
+
+    # Under the suite's approval timeout (3 s), which would end the child's wait first.
+    monkeypatch.setattr("actors.agent_tools.AGENT_TIMEOUT_MS", 2_600)
+    manifest = parse_manifest(
+        "agent_config:\n"
+        "  model: {provider: openai, model: scripted, api_key: '${SCRIPTED_KEY}',\n"
+        f"          base_url: 'http://127.0.0.1:{model.port}/v1', max_retries: 1}}\n"
+        "  agents:\n"
+        "    slowpoke: {instructions: Write slowly., tools: ['approvals:*']}\n",
+        env={"SCRIPTED_KEY": "k"})
+    actor = await start_planner(bus, ActorSettings(
+        manifest=manifest, instance=f"t-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))
+    try:
+        await system["catalog"]._specs.wait_until(lambda i: "agent.slowpoke" in i, 5)
+        request_id = uuid.uuid4().hex
+        call_id = call_id_for(turn_id_for(request_id), 0)
+        child = child_session_id(sid, call_id, "slowpoke")
+        model.script = [
+            (200, reply(calls=[("p1", "agent__slowpoke", {"message": "Write hi."})])),
+            (200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),  # child
+            (200, reply("The writer took too long.")),                        # parent
+        ]
+        # Nobody approves the child's write: the parent's call times out.
+        end = await client.ask(sid, "Have hi written.", request_id=request_id, timeout=60)
+        assert isinstance(end, TurnCompleted), end
+        (outcome,) = end.outcomes
+        assert outcome.status == "failed" and outcome.error is not None
+        assert outcome.error.error_type == "timeout"
+        assert "its turn was stopped" in outcome.error.message
+        # The child turn is over: its waiting write will never run, nor be asked about.
+        state = await client.fold_session(child)
+        (turn,) = state.turns.values()
+        assert turn.status == "cancelled", turn
+        (write,) = state.calls.values()
+        assert write.status == "failed" and write.error is not None
+        assert write.error.error_type == "cancelled"
+        async with asyncio.timeout(15):
+            while any(a.session_id == child  # noqa: ASYNC110 - a KV, polled
+                      for a in await ApprovalStore(bus).load()):
+                await asyncio.sleep(0.1)
+        events = [e.event for e in await EventLog(bus).read_session(child)]
+        assert any(isinstance(e, TurnCancelled) for e in events)
+    finally:
+        await actor.stop()

@@ -94,3 +94,19 @@ def test_injected_strings_lose_control_and_invisible_format_characters() -> None
     assert strip_controls(every_cf) == "\u200c\u200d"
     hidden = "pay\u202e\U000E0041\U000E0042 now\u200b\x07\x1b[31m\tok\n"
     assert strip_controls({"k\u2066ey": [hidden]}) == {"key": ["pay now[31m\tok\n"]}
+
+
+def test_a_cancel_request_names_a_turn_and_may_say_why() -> None:
+    req = parse_request(b'{"cancel": "t-1", "reason": "stop\\u0007 now", "request_id": "c1"}')
+    assert (req.cancel, req.reason, req.request_id, req.calls) == \
+        ("t-1", "stop now", "c1", [])
+    for body, says in [
+        (b'{"cancel": "a.b"}', "cancel must be a turn id"),
+        (b'{"cancel": 5}', "cancel must be a turn id"),
+        (b'{"cancel": "t", "message": "hi"}', "not message"),
+        (b'{"cancel": "t", "reason": ""}', "reason must be a non-empty string"),
+        (b'{"reason": "why"}', "a cancel request has cancel"),
+        (b'{"cancel": "t", "reason": "' + b"x" * 1001 + b'"}', "at most 1000"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=says):
+            parse_request(body)

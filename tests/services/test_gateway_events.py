@@ -19,6 +19,7 @@ from actors.planner import Planner
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.server import free_port
+from schemas.events import RequestRejected
 from services import gateway as gateway_module
 from services.gateway import ROLES
 from services.runtime import start_gateway
@@ -313,3 +314,20 @@ async def test_a_stopping_gateway_drops_a_stream_whose_reader_stopped_reading(
     assert gw.task.done() and not gw.task.cancelled()
     assert gw.server.config.app.state.streams.open_now == 0
     assert "Exception in ASGI application" not in caplog.text
+
+
+async def test_a_cancel_request_over_http_is_accepted_but_not_streamed(
+        planner: Planner, client: ToolbusClient, tokens: dict[str, str], sid: str) -> None:
+    async with _web(tokens) as web:
+        streamed = await web.post(f"/sessions/{sid}/requests?stream=1",
+                                  json={"cancel": "t-none"})
+        assert streamed.status_code == 400 and "follow the turn" in streamed.json()["error"]
+        sent = await web.post(f"/sessions/{sid}/requests",
+                              json={"cancel": "t-none", "request_id": "c-http"})
+        assert sent.status_code == 202, sent.text
+    async with asyncio.timeout(15):
+        while not (stored := await client.log.read_session(sid)):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    (refused,) = [e.event for e in stored]
+    assert isinstance(refused, RequestRejected) and refused.reason == "unknown_turn"
+    assert refused.request_id == "c-http"
