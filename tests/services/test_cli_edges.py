@@ -54,11 +54,14 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
     (("deny", "", "--reason", "no"), "invalid call id ''"),
     (("deny", "c1", "--reason", " "), "--reason must say why"),
+    (("cancel", "a.b", "--session", "s1"), "invalid turn id 'a.b'"),
+    (("cancel", "t1", "--session", "s1", "--reason", " "), "--reason must say why"),
+    (("cancel", "t1"), "the following arguments are required: --session"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
                                             tmp_path: Path) -> None:
     out = run_toolbus(*args, "--data-dir", str(tmp_path)) if args[0] in (
-        "call", "replay", "state", "tools", "chat") else run_toolbus(*args)
+        "call", "replay", "state", "tools", "chat", "cancel") else run_toolbus(*args)
     assert out.returncode == 2, out.stderr
     assert says in _one_clear_line(out)
 
@@ -76,7 +79,7 @@ def test_the_sample_servers_refuse_a_port_that_is_not_one(module: str) -> None:
     ("state", "s1"), ("tools",),
     ("executors",), ("approvals",), ("approve", "c1", "--session", "s1"),
     ("deny", "c1", "--session", "s1", "--reason", "no"), ("tools", "remove", "x:y"),
-    ("chat", "hi"),
+    ("chat", "hi"), ("cancel", "t1", "--session", "s1"),
 ])
 def test_every_client_command_without_a_server_says_how_to_start_one(
         args: tuple[str, ...], tmp_path: Path) -> None:
