@@ -325,6 +325,31 @@ def decide_request(state: SessionState, request: Request, request_id: str, *, no
 CANCELLABLE = frozenset({"requested", "awaiting_approval", "approved"})
 
 
+def cancel_turn(state: SessionState, turn: TurnState, *, now: float, reason: str, by: str,
+                why: str) -> list[Append]:
+    """A running turn ended early: its calls not yet dispatched `call.failed`
+    `cancelled` ("<tool> did not run: its turn was <why>"), then `turn.cancelled`. Calls
+    already running finish and are recorded, but nothing acts on them."""
+    sid = state.session_id
+    out: list[Append] = []
+    for call_id in turn.call_ids:
+        call = state.calls.get(call_id)
+        if call is not None and call.status in CANCELLABLE:
+            out.append(Append(CallFailed(
+                session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=turn.turn_id,
+                error_type="cancelled", message=f"{call.tool} did not run: its turn was {why}"),
+                call_terminal_id(sid, call_id)))
+    # The calls' outcomes as they stand: the ones cancelled here are not terminal yet.
+    outcomes = [state.calls[c].outcome() for c in turn.call_ids
+                if c in state.calls and state.calls[c].terminal]
+    out.append(Append(TurnCancelled(
+        session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id, request_id=turn.request_id,
+        reason=reason, by=by, message=f"{why}; calls already running finish and are "
+        "recorded, nothing acts on them", outcomes=outcomes),
+        turn_ended_id(sid, turn.turn_id)))
+    return out
+
+
 def decide_cancel(state: SessionState, turn_id: str, request_id: str, *,
                   reason: str | None, now: float, subject: str,
                   request_seq: int) -> list[Append]:
@@ -342,25 +367,9 @@ def decide_cancel(state: SessionState, turn_id: str, request_id: str, *,
             session_id=sid, at=now, actor=ACTOR, reason=why, request_id=request_id,
             subject=subject, message=f"nothing to cancel: {said}"),
             request_rejected_id(request_seq))]
-    out: list[Append] = []
-    for call_id in turn.call_ids:
-        call = state.calls.get(call_id)
-        if call is not None and call.status in CANCELLABLE:
-            out.append(Append(CallFailed(
-                session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=turn_id,
-                error_type="cancelled",
-                message=f"{call.tool} did not run: its turn was cancelled by request "
-                        f"{request_id}"), call_terminal_id(sid, call_id)))
-    cancelled = {i.event.call_id for i in out if isinstance(i.event, CallFailed)}
-    outcomes = [state.calls[c].outcome() for c in turn.call_ids
-                if c in state.calls and state.calls[c].terminal and c not in cancelled]
-    out.append(Append(TurnCancelled(
-        session_id=sid, at=now, actor=ACTOR, turn_id=turn_id, request_id=turn.request_id,
-        reason="cancelled", by=request_id,
-        message=(f"cancelled by request {request_id}" + (f": {reason}" if reason else "")
-                 + "; calls already running finish and are recorded, nothing acts on them"),
-        outcomes=outcomes), turn_ended_id(sid, turn_id)))
-    return out
+    return cancel_turn(state, turn, now=now, reason="cancelled", by=request_id,
+                       why=f"cancelled by request {request_id}"
+                       + (f": {reason}" if reason else ""))
 
 
 def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: float,
@@ -406,24 +415,9 @@ def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: f
         turn = state.turns[open_id]
         if turn.message is None:
             continue  # explicit calls a client asked for: not the agent's to drop
-        for call_id in turn.call_ids:
-            call = state.calls.get(call_id)
-            if call is not None and call.status in CANCELLABLE:
-                out.append(Append(CallFailed(
-                    session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=open_id,
-                    error_type="cancelled",
-                    message=f"{call.tool} did not run: its turn was superseded by tool "
-                            f"event {event_id} ({tool_event.tool_id})"),
-                    call_terminal_id(sid, call_id)))
-        outcomes = [state.calls[c].outcome() for c in turn.call_ids
-                    if c in state.calls and state.calls[c].terminal]
-        out.append(Append(TurnCancelled(
-            session_id=sid, at=now, actor=ACTOR, turn_id=open_id,
-            request_id=turn.request_id, reason="superseded", by=event_id,
-            message=f"superseded by tool event {event_id} ({tool_event.tool_id}), injected "
-                    "with trigger_processing; calls already running finish and are "
-                    "recorded, nothing acts on them", outcomes=outcomes),
-            turn_ended_id(sid, open_id)))
+        out += cancel_turn(state, turn, now=now, reason="superseded", by=event_id,
+                           why=f"superseded by tool event {event_id} "
+                               f"({tool_event.tool_id}), injected with trigger_processing")
     out.append(Append(TurnRequested(
         session_id=sid, at=now, actor=ACTOR, turn_id=turn_id, request_id=event_id,
         call_ids=[], agent=default_agent, message="", trigger=event_id),

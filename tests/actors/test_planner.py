@@ -351,15 +351,20 @@ async def test_text_deltas_are_published_live_and_not_stored(
                                         for s in await EventLog(bus).read_session(sid))
 
 
+def _approvals_planner(bus: Bus, system: dict[str, Any], model: ScriptedChat) -> Planner:
+    """A planner offering the `approvals:` tools (which wait for a human), not started."""
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    return Planner(bus, system["catalog"], settings,
+                   tools=lambda spec: spec.name.startswith("approvals:"))
+
+
 async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str, nats_url: str) -> None:
     from tests.conftest import of_type
 
-    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
-                             base_url=f"http://127.0.0.1:{model.port}/v1")
-    p = Planner(bus, system["catalog"], settings,
-                tools=lambda spec: spec.name.startswith("approvals:"))
+    p = _approvals_planner(bus, system, model)
     await p.start()
     try:
         async with EventWatch(bus, sid) as watch:
@@ -391,10 +396,7 @@ async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_l
     from bus.approvals import ApprovalStore
     from tests.conftest import of_type
 
-    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
-                             base_url=f"http://127.0.0.1:{model.port}/v1")
-    p = Planner(bus, system["catalog"], settings,
-                tools=lambda spec: spec.name.startswith("approvals:"))
+    p = _approvals_planner(bus, system, model)
     await p.start()
     store = ApprovalStore(bus)
     try:
@@ -780,10 +782,7 @@ async def test_a_turn_waiting_for_a_human_is_cancelled_from_another_process(
     from bus.approvals import ApprovalStore
     from tests.conftest import of_type
 
-    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
-                             base_url=f"http://127.0.0.1:{model.port}/v1")
-    p = Planner(bus, system["catalog"], settings,
-                tools=lambda spec: spec.name.startswith("approvals:"))
+    p = _approvals_planner(bus, system, model)
     await p.start()
     try:
         async with EventWatch(bus, sid) as watch:

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -240,11 +241,11 @@ class _Proxy:
         self._writers -= {writer, up_writer}
 
 
-async def test_a_turn_that_ends_while_the_clients_connection_is_away_is_read_from_the_log(
-        bus: Bus, system: dict[str, Any], nats_url: str, sid: str) -> None:
-    """The end of a turn reaches a waiting client on the live subject, which the server
-    does not keep: one that ended while the connection was away is read from the log once
-    it is back, instead of the call waiting out its whole timeout."""
+@contextlib.asynccontextmanager
+async def _far_call(nats_url: str, bus: Bus, sid: str, *, timeout: float
+                    ) -> AsyncIterator[tuple[_Proxy, asyncio.Task[Any]]]:
+    """A client behind a proxy that can cut it off, calling `testing:sleep` (0.5 s): the
+    proxy and the call, yielded once the call has started."""
     proxy = _Proxy(int(nats_url.rsplit(":", 1)[1]))
     await proxy.open()
     far = await connect(nats_url.rsplit(":", 1)[0] + f":{proxy.port}", name="far-client")
@@ -252,17 +253,29 @@ async def test_a_turn_that_ends_while_the_clients_connection_is_away_is_read_fro
     try:
         async with EventWatch(bus, sid) as watch:
             calling = asyncio.create_task(client.call(
-                sid, [{"tool": "testing:sleep", "arguments": {"seconds": 0.5}}], timeout=30))
+                sid, [{"tool": "testing:sleep", "arguments": {"seconds": 0.5}}],
+                timeout=timeout))
             await watch.until(lambda evs: bool(of_type(evs, "call.started")), timeout=10)
-            await proxy.cut()
-            await watch.until(lambda evs: bool(of_type(evs, "turn.completed")), timeout=10)
+        yield proxy, calling
+    finally:
+        await client.close()
+        with contextlib.suppress(Exception):
+            await far.close()
+        await proxy.cut()
+
+
+async def test_a_turn_that_ends_while_the_clients_connection_is_away_is_read_from_the_log(
+        bus: Bus, system: dict[str, Any], nats_url: str, sid: str) -> None:
+    """The end of a turn reaches a waiting client on the live subject, which the server
+    does not keep: one that ended while the connection was away is read from the log once
+    it is back, instead of the call waiting out its whole timeout."""
+    async with _far_call(nats_url, bus, sid, timeout=30) as (proxy, calling), \
+            EventWatch(bus, sid) as watch:
+        await proxy.cut()
+        await watch.until(lambda evs: bool(of_type(evs, "turn.completed")), timeout=10)
         await proxy.open()  # the same port: the client reconnects
         end = await asyncio.wait_for(calling, 10)
         assert isinstance(end, TurnCompleted) and end.ok, end
-    finally:
-        await client.close()
-        await far.close()
-        await proxy.cut()
 
 
 async def test_a_caller_whose_server_never_comes_back_is_told_so_not_left_waiting(
@@ -272,20 +285,7 @@ async def test_a_caller_whose_server_never_comes_back_is_told_so_not_left_waitin
     from schemas.errors import BusTimeoutError
 
     monkeypatch.setattr("bus.client.GIVE_UP_AWAY_S", 1.0)
-    proxy = _Proxy(int(nats_url.rsplit(":", 1)[1]))
-    await proxy.open()
-    far = await connect(nats_url.rsplit(":", 1)[0] + f":{proxy.port}", name="far-client")
-    client = ToolbusClient(far)
-    try:
-        async with EventWatch(bus, sid) as watch:
-            calling = asyncio.create_task(client.call(
-                sid, [{"tool": "testing:sleep", "arguments": {"seconds": 0.5}}],
-                timeout=300))
-            await watch.until(lambda evs: bool(of_type(evs, "call.started")), timeout=10)
-            await proxy.cut()  # and never opened again
+    async with _far_call(nats_url, bus, sid, timeout=300) as (proxy, calling):
+        await proxy.cut()  # and never opened again
         with pytest.raises(BusTimeoutError, match="lost the connection to NATS"):
             await asyncio.wait_for(calling, 20)
-    finally:
-        await client.close()
-        with contextlib.suppress(Exception):
-            await far.close()
