@@ -22,11 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import httpx
 import msgspec
 
 from actors.executor import Executor
-from actors.llm import complete
+from actors.llm import ModelClient, complete
 from actors.llm.types import Message, ModelSettings
 from actors.planner import parse_structured
 from actors.tools import Resource, RunnableTool, ToolError
@@ -55,7 +54,7 @@ class LatentTool:
     settings: ModelSettings
     max_output_retries: int = DEFAULT_MAX_OUTPUT_RETRIES
     injected: dict[str, Resource] = field(default_factory=dict)
-    client: httpx.AsyncClient | None = None
+    client: ModelClient | None = None
 
     def check_arguments(self, arguments: dict[str, Any]) -> None:
         """Any arguments will do: the approval actor checked them against the schema."""

@@ -59,7 +59,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
 import jmespath
 import msgspec
 
@@ -67,7 +66,7 @@ from actors import compress
 from actors.composed import composed_prompt, composed_schema, flatten, read_composed
 from actors.compressor import CONTEXT_STATUS, RECALL, Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
-from actors.llm import WireMemo, complete
+from actors.llm import ModelClient, WireMemo, complete
 from actors.llm.convert import model_json, stable_id
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
 from actors.session import InlineApproval, InlineApprover, due_in_turn
@@ -1256,7 +1255,7 @@ class Planner:
         self._compression = compression
         self._ack_wait_s = ack_wait_s
         self._clock = clock
-        self._http: httpx.AsyncClient | None = None
+        self._http: ModelClient | None = None
         # Each partition of sessions through its own consumer, while this process holds
         # it (bus/partitions.py): any number of planner processes share the sessions.
         self.instance = instance or member_name()
@@ -1279,7 +1278,7 @@ class Planner:
         return f"{s.provider} {s.model}" + (f" at {s.base_url}" if s.base_url else "")
 
     async def start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=self._settings.timeout_s)
+        self._http = ModelClient()
         await self._kernel.start()
         await delete_consumers(self._bus, EVENTS_STREAM, ("planner",))  # before partitions
         await self._owner.start()

@@ -457,6 +457,19 @@ def is_tool_event(data: bytes) -> bool:
     return isinstance(body, dict) and "tool_id" in body
 
 
+def _json_escape(match: re.Match[str]) -> str:
+    units = match.group().encode("utf-16-be")
+    return "".join(f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2))
+
+
+def escape_controls(json_text: str) -> str:
+    """JSON text with every character `strip_controls` removes written as its `\\uXXXX`
+    escape instead (JSON encoders escape C0 only; C1, DEL and the bidirectional overrides
+    go out raw): it decodes to the same value, and a terminal shows it inert. Only for
+    JSON, where such characters can only be inside strings."""
+    return _CONTROL.sub(_json_escape, json_text)
+
+
 def strip_controls(value: Any) -> Any:
     """`value` with control characters (C0 but tab and newline, DEL, C1, and the
     bidirectional overrides) removed from every string in it, keys included."""

@@ -631,6 +631,8 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
     sessions, whose history grows, each beside a turn in a fresh session."""
     import httpx  # only this benchmark talks to the model server itself
 
+    from actors.llm import ModelClient
+
     machine = _machine()
     key = os.urandom(8).hex()
     env = {"SAMPLE_LLM_KEY": key}
@@ -689,6 +691,21 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
                         b"data: [DONE]\n\n")
             return op
 
+        # The planner's own client (aiohttp) for the same round trips: how much of the
+        # httpx floor is httpx's own CPU, shown beside it.
+        model_client = await stack.enter_async_context(ModelClient())
+
+        def direct_aiohttp(bodies: list[bytes]) -> Op:
+            async def op(i: int) -> None:
+                nonlocal failures
+                for body in bodies:
+                    async with model_client.session.post(
+                            f"{base}/v1/chat/completions", data=body,
+                            headers=headers) as r:
+                        content = await r.read()
+                    failures += r.status != 200 or not content.endswith(b"data: [DONE]\n\n")
+            return op
+
         await measure("warm-up", turn_in(lambda i: f"agent-{run}-w{i}"), n=min(n, 50),
                       concurrency=1)
         first = await last_turn_bodies()
@@ -700,6 +717,9 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
                                   n=n, concurrency=1)
         d_fresh = await measure("direct httpx, 2 model round trips", direct(first), n=n,
                                 concurrency=1)
+        await measure("warm-up", direct_aiohttp(first), n=min(n, 50), concurrency=1)
+        d_aiohttp = await measure("direct aiohttp, 2 model round trips",
+                                  direct_aiohttp(first), n=n, concurrency=1)
         cpu_before = _cpu_seconds()
         fresh = await measure("toolbus turn, fresh sessions",
                               turn_in(lambda i: f"agent-{run}-f{i}"), n=n, concurrency=1)
@@ -741,7 +761,7 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
     early_line = Line(early).beside(d_fresh, *LATENCY)
     late_line = Line(late).beside(early, *LATENCY).beside(d_late, *LATENCY)
     lines = [*_floor_lines(floors), Line(chain).beside(floors.js, *LATENCY), Line(d_fresh),
-             fresh_line, early_line, Line(d_late), late_line]
+             Line(d_aiohttp), fresh_line, early_line, Line(d_late), late_line]
     overhead = fresh.p50_ms - d_fresh.p50_ms
     raw_flat = late_line.ratio("p50", early)
     # The goal's measure: each turn against the fresh-session turn right after it, late
@@ -765,6 +785,9 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         "path_hops": AGENT_PATH_HOPS,
         "raw_chain_p50_ms": round(chain.p50_ms, 3),
         "overhead_beyond_raw_chain_p50_ms": round(overhead - chain.p50_ms, 3),
+        # Against the same round trips sent with the planner's own HTTP client instead.
+        "direct_aiohttp_p50_ms": round(d_aiohttp.p50_ms, 3),
+        "overhead_vs_aiohttp_p50_ms": round(fresh.p50_ms - d_aiohttp.p50_ms, 3),
         "ratio_p50": round(fresh_line.ratio("p50", d_fresh), 2),
         "ratio_p99": round(fresh_line.ratio("p99", d_fresh), 2),
         "early_overhead_p50_ms": round(early.p50_ms - d_fresh.p50_ms, 3),
@@ -804,7 +827,10 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"({report['overhead_p50_vs_js_publish']}x one raw JetStream publish+ack): "
           f"{chain.p50_ms:.2f} ms is what the bus alone takes for the {AGENT_PATH_HOPS} "
           f"hops one after another on a turn's path (a raw chain, nothing decoded), "
-          f"{report['overhead_beyond_raw_chain_p50_ms']} ms is toolbus's own work.")
+          f"{report['overhead_beyond_raw_chain_p50_ms']} ms is toolbus's own work. "
+          f"The planner sends its model calls with aiohttp, which takes "
+          f"{d_aiohttp.p50_ms:.2f} ms for the same round trips: against that, toolbus adds "
+          f"{report['overhead_vs_aiohttp_p50_ms']} ms.")
     print(f"{sessions}, {turns} turns each: turns {late_span} p50 / turns {early_span} = "
           f"{report['late_turns_p50_vs_early']}x (flat is 1.0x); toolbus adds "
           f"{report['early_overhead_p50_ms']} ms early, {report['late_overhead_p50_ms']} ms "

@@ -51,7 +51,7 @@ try:
         is_token,
         turn_id_for,
     )
-    from schemas.requests import MAX_MESSAGE_BYTES, strip_controls
+    from schemas.requests import MAX_MESSAGE_BYTES, escape_controls, strip_controls
     from schemas.state import SessionState, encode_state, fold
     from services.config import (
         ActorSettings,
@@ -138,10 +138,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# Seconds a flag may give (a week): `inf`, or 1e300, would overflow the event loop's
+# clock or JetStream's nanoseconds instead of meaning "forever".
+MAX_SECONDS_FLAG = 7 * 24 * 3600
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    if not value <= MAX_SECONDS_FLAG:
+        raise argparse.ArgumentTypeError(f"{text} is more than {MAX_SECONDS_FLAG} seconds "
+                                         "(a week)")
     return value
 
 
@@ -498,6 +506,12 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
                          instance=args.instance,
                          ack_wait_s=args.ack_wait, max_in_flight=args.max_in_flight,
                          replicas=args.replicas, partitions=args.partitions)
+
+
+def _terminal_json(data: bytes | str) -> str:
+    """JSON for stdout: the same value, with what could drive the terminal (C1 controls)
+    or reorder what it shows (bidirectional overrides) escaped, as JSON escapes C0."""
+    return escape_controls(data.decode() if isinstance(data, bytes) else data)
 
 
 def _printable(text: object) -> str:
@@ -870,8 +884,8 @@ async def _call(url: str, args: argparse.Namespace) -> int:
                 print(f"toolbus: the result ({ref.size} bytes) was read from the object "
                       f"store ({ref.key})", file=sys.stderr)
             else:
-                sys.stdout.write(_json.encode({"$ref": ref.key, "size": ref.size,
-                                               "sha256": ref.sha256}).decode() + "\n")
+                sys.stdout.write(_terminal_json(_json.encode(
+                    {"$ref": ref.key, "size": ref.size, "sha256": ref.sha256})) + "\n")
                 print(f"toolbus: the result is {ref.size} bytes, stored as {ref.key} "
                       "(too large for an event); --full prints it", file=sys.stderr)
             return EXIT_OK
@@ -882,7 +896,7 @@ async def _call(url: str, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_CALL_FAILED
     if isinstance(end, TurnCompleted) and outcome is not None and outcome.status == "succeeded":
-        sys.stdout.write(_json.encode(outcome.result).decode() + "\n")
+        sys.stdout.write(_terminal_json(_json.encode(outcome.result)) + "\n")
         return EXIT_OK
     if outcome is not None and outcome.error is not None:
         # The text of a tool, an MCP server or an approver's reason: no escape sequence
@@ -967,7 +981,7 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
     if args.json:
         for s in stored:
             out.write(_json_line(s))
-        out.write(f'{{"state":{encode_state(state).decode()}}}\n')
+        out.write(_terminal_json(f'{{"state":{encode_state(state).decode()}}}') + "\n")
         return EXIT_OK
     if not stored:
         upto = "" if args.until is None else (
@@ -998,9 +1012,15 @@ def _timeline_line(s: StoredEvent) -> str:
 
 
 def _json_line(s: StoredEvent) -> str:
-    event = s.data if s.event is None else encode_event(s.event)
-    return (f'{{"seq":{s.seq},"subject":{_json.encode(s.subject).decode()},'
-            f'"event":{event.decode()}}}\n')
+    if s.event is not None:
+        event = encode_event(s.event)
+    else:  # as stored when it is JSON (a type this version does not know), else as text
+        try:
+            event = _json.encode(msgspec.json.decode(s.data))
+        except (msgspec.DecodeError, RecursionError):
+            event = _json.encode({"unreadable": s.data.decode("utf-8", "replace")})
+    return _terminal_json(f'{{"seq":{s.seq},"subject":{_json.encode(s.subject).decode()},'
+                          f'"event":{event.decode()}}}') + "\n"
 
 
 async def _follow(url: str, sid: str, *, as_json: bool) -> int:
@@ -1065,7 +1085,7 @@ async def _state(url: str, args: argparse.Namespace) -> int:
         await bus.close()
     if state.last_seq == 0:
         print(f"toolbus: session {args.session} has no events (yet)", file=sys.stderr)
-    sys.stdout.write(encode_state(state).decode() + "\n")
+    sys.stdout.write(_terminal_json(encode_state(state)) + "\n")
     return EXIT_OK
 
 
@@ -1149,7 +1169,8 @@ def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
 
 
 def _print_json(value: Any) -> None:
-    sys.stdout.write(msgspec.json.format(_json.encode(value).decode(), indent=2) + "\n")
+    sys.stdout.write(_terminal_json(msgspec.json.format(_json.encode(value), indent=2))
+                     + "\n")
 
 
 async def _executors(url: str) -> int:
@@ -1184,7 +1205,7 @@ async def _approvals(url: str, args: argparse.Namespace) -> int:
     now = time.time()
     if args.json:
         for p in pending:
-            sys.stdout.write(_json.encode(p).decode() + "\n")
+            sys.stdout.write(_terminal_json(_json.encode(p)) + "\n")
         return EXIT_OK
     if not pending:
         print("no calls are waiting for approval", file=sys.stderr)

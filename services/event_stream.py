@@ -2,9 +2,11 @@
 the session).
 
 Each stored event is one SSE event: `id` its stream sequence (what a reconnecting
-client sends back as `Last-Event-ID`), `event` its type, `data` its JSON as stored. A
-text delta (`model.delta`) has no `id`. A quiet feed becomes a `: keep-alive` comment,
-which also tells proxies that the connection is alive.
+client sends back as `Last-Event-ID`), `event` its type, `data` its JSON as stored, with
+C1 controls and bidirectional overrides written as JSON escapes (`curl -N` prints them to
+a terminal; the value is the same). A text delta (`model.delta`) has no `id`. A quiet
+feed becomes a `: keep-alive` comment, which also tells proxies that the connection is
+alive.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Final
 import msgspec
 
 from bus.feed import SessionFeed
+from schemas.requests import escape_controls
 
 _LINES: Final = re.compile(rb"\r\n|\r|\n")
 KEEP_ALIVE: Final = b": keep-alive\n\n"
@@ -25,6 +28,10 @@ def frame(event: str, data: bytes, seq: int | None = None) -> bytes:
     """One SSE event. `data` is JSON, one line as toolbus encodes it; a line break in it
     anyway becomes a `data:` line of its own, which readers join back with newlines."""
     head = f"id: {seq}\n" if seq is not None else ""
+    text = data.decode("utf-8", "replace")
+    escaped = escape_controls(text)
+    if escaped != text:
+        data = escaped.encode()
     body = b"".join(b"data: " + line + b"\n" for line in _LINES.split(data))
     return f"{head}event: {event}\n".encode() + body + b"\n"
 

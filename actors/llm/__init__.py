@@ -1,4 +1,4 @@
-"""The planner's model calls: one function over four provider APIs, httpx only.
+"""The planner's model calls: one function over four provider APIs, over aiohttp.
 
 `complete` builds the request in the provider's own shape (one module per API), sends it
 with bounded retries (retry.py), streams text deltas to `on_delta` when one is given, and
@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-import httpx
 import msgspec
 
 from actors.llm import anthropic, gemini, openai_chat, openai_responses
 from actors.llm.convert import WireMemo
 from actors.llm.retry import with_retries
-from actors.llm.transport import OnDelta, send
+from actors.llm.transport import ModelClient, OnDelta, send
 from actors.llm.types import (
     Message,
     ModelResponse,
@@ -46,7 +45,7 @@ async def complete(settings: ModelSettings, *, system: str | None, messages: lis
                    tools: Sequence[ToolSpec], tool_choice: ToolChoice = "auto",
                    response_schema: dict[str, Any] | None = None,
                    on_delta: OnDelta | None = None,
-                   client: httpx.AsyncClient | None = None,
+                   client: ModelClient | None = None,
                    memo: WireMemo | None = None) -> ModelResponse:
     """One model call: the reply, or a `ModelError`. Streams when `on_delta` is given.
     Pass a shared `client` to reuse connections (one is made and closed otherwise), and
@@ -59,7 +58,7 @@ async def complete(settings: ModelSettings, *, system: str | None, messages: lis
                       tool_choice=tool_choice, response_schema=response_schema,
                       stream=on_delta is not None, memo=memo)
     own = client is None
-    http = client if client is not None else httpx.AsyncClient()
+    http = client if client is not None else ModelClient()
     try:
         reply, attempts = await with_retries(
             lambda: send(http, request, key=settings.api_key, timeout_s=settings.timeout_s,
@@ -71,5 +70,5 @@ async def complete(settings: ModelSettings, *, system: str | None, messages: lis
     return msgspec.structs.replace(reply, extra={**reply.extra, "attempts": attempts})
 
 
-__all__ = ["Message", "ModelResponse", "ModelSettings", "ToolCall", "Usage", "WireMemo",
-           "complete"]
+__all__ = ["Message", "ModelClient", "ModelResponse", "ModelSettings", "ToolCall", "Usage",
+           "WireMemo", "complete"]

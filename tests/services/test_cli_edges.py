@@ -48,6 +48,9 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("call", "built-in:echo", "--session", ""), "invalid session id ''"),
     (("chat", "hi", "--agent", "bad agent"), "invalid agent name 'bad agent'"),
     (("chat", "hi", "--timeout", "nan"), "argument --timeout: nan is not a positive"),
+    (("chat", "hi", "--timeout", "inf"), "argument --timeout: inf is more than 604800 "
+                                         "seconds (a week)"),
+    (("call", "built-in:echo", "--timeout", "1e300"), "argument --timeout: 1e300 is more"),
     (("chat", " "), "MESSAGE is empty"),  # not a new session holding a rejection
     (("chat", "a" * 70_000), "MESSAGE is 70000 bytes; the limit is 65536"),
     (("tools", "show"), "tools show needs a NAME"),
@@ -324,3 +327,27 @@ def test_files_that_are_not_utf8_are_one_line_errors_not_tracebacks(tmp_path: Pa
     out = run_toolbus("tools", "--data-dir", str(tmp_path / "d2"))
     assert out.returncode == 2, out.stderr
     assert "client.url are not UTF-8 text" in _one_clear_line(out)
+
+
+async def test_json_output_escapes_what_would_drive_or_reorder_the_terminal(
+        client, nats_url: str) -> None:
+    # JSON escapes C0 (ESC included) but leaves C1 controls (U+009B is CSI to a terminal
+    # that takes 8-bit controls), DEL and bidirectional overrides raw: a tool result or a
+    # prompt-injected model's text printed by `call`, `state` or `replay --json` could
+    # drive the terminal or reorder what it shows. Escaped, the JSON reads back the same.
+    sid = f"esc-{uuid.uuid4().hex[:8]}"
+    text = "a\u009b2Jb\u202ecba\u2066\U000e0041\x7f é 😀"
+    raw = ("\u009b", "\u202e", "\u2066", "\U000e0041", "\x7f")
+    out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo",
+                                  json.dumps({"text": text}), "--session", sid,
+                                  "--nats", nats_url)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"text": text}
+    state = await asyncio.to_thread(run_toolbus, "state", sid, "--nats", nats_url)
+    replay = await asyncio.to_thread(run_toolbus, "replay", sid, "--json", "--nats",
+                                     nats_url)
+    for printed in (out.stdout, state.stdout, replay.stdout):
+        assert not any(c in printed for c in raw), ascii(printed)
+    assert text in json.dumps(json.loads(state.stdout), ensure_ascii=False)
+    events = [json.loads(line) for line in replay.stdout.splitlines()]
+    assert any(text in json.dumps(e, ensure_ascii=False) for e in events)

@@ -21,6 +21,7 @@ from bus.connection import Bus
 from bus.server import free_port
 from schemas.events import RequestRejected
 from services import gateway as gateway_module
+from services.event_stream import frame
 from services.gateway import ROLES
 from services.runtime import start_gateway
 from tests.llm_servers import Call, FakeProvider, reply
@@ -331,3 +332,16 @@ async def test_a_cancel_request_over_http_is_accepted_but_not_streamed(
     (refused,) = [e.event for e in stored]
     assert isinstance(refused, RequestRejected) and refused.reason == "unknown_turn"
     assert refused.request_id == "c-http"
+
+
+def test_an_event_s_data_carries_no_raw_terminal_control() -> None:
+    # `curl -N` prints the stream: a C1 control (U+009B is CSI) or a bidirectional
+    # override in a tool's result must reach the terminal as a JSON escape, same value.
+    value = {"result": "a\u009b2Jb\u202ec\U000e0041\x7f é"}
+    got = frame("call.succeeded", json.dumps(value, ensure_ascii=False).encode(), 7)
+    head, data = got.decode().split("data: ", 1)
+    assert head == "id: 7\nevent: call.succeeded\n" and data.endswith("\n\n")
+    assert not any(c in data for c in "\u009b\u202e\U000e0041\x7f")
+    assert json.loads(data) == value
+    plain = json.dumps({"text": "é 😀"}, ensure_ascii=False).encode()
+    assert frame("model.delta", plain) == b"event: model.delta\ndata: " + plain + b"\n\n"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 
-from actors.llm.transport import _events
+from actors.llm.transport import ModelClient, _events
 from schemas.errors import ModelError
 from tests.actors.llm.test_hostile_provider import RawServer, ask, events, server, sse
 
@@ -75,8 +74,8 @@ def _spec_events(body: bytes) -> list[tuple[str, str]]:
 
 
 async def _read(port: int) -> list[tuple[str, str]]:
-    async with httpx.AsyncClient() as client, client.stream(
-            "GET", f"http://127.0.0.1:{port}/") as response:
+    async with ModelClient() as client, client.session.get(
+            f"http://127.0.0.1:{port}/") as response:
         return [e async for e in _events(response, "openai")]
 
 
