@@ -394,9 +394,13 @@ async def send(client: ModelClient, req: WireRequest, *, key: str | None,
         raise _bad_url(req.provider, type(exc).__name__) from None
     except aiohttp.ClientError as exc:  # connect, read, timeouts, protocol
         what = _transport_error(exc, req.url, timeout_s, key)
+        # Not chained to an error of aiohttp's parser: its text quotes what the server
+        # sent, the key too if the server echoes it, and a traceback would show it.
+        cause = None if isinstance(exc, _QUOTING_ERRORS) else exc
         if delivered:
-            raise _partial(req.provider, what, None) from exc
-        raise ModelError("unavailable", what, provider=req.provider, retryable=True) from exc
+            raise _partial(req.provider, what, None) from cause
+        raise ModelError("unavailable", what, provider=req.provider,
+                         retryable=True) from cause
     except TimeoutError as exc:  # the attempt's deadline, not a read's (aiohttp's own)
         what = (f"no whole reply within {deadline:g} s ({ATTEMPT_DEADLINE_FACTOR} x "
                 f"timeout_s)")
@@ -441,6 +445,20 @@ def _bad_url(provider: str, name: str) -> ModelError:
                       f"use ({name}): check its base_url", provider=provider)
 
 
+# aiohttp's errors for a reply its parser refused (ClientResponseError, status 400 of its
+# own: the client never raises for a status) or a body it could not read whole: their
+# texts quote the bytes that broke the parser.
+_QUOTING_ERRORS: Final = (aiohttp.ClientResponseError, aiohttp.ClientPayloadError)
+# Where such a text starts quoting (b'...', bytearray(b'...'), clipped at 100 bytes): a
+# key cut there is no longer found by `redact`, so nothing from there on is kept.
+_QUOTED_BYTES = re.compile(r"""(?:bytearray\()?\bb['"].*""", re.DOTALL)
+
+
+def _parser_words(text: str) -> str:
+    """aiohttp's words for what broke its parser, without the bytes it quotes."""
+    return _QUOTED_BYTES.sub("", text).rstrip(" :.\n") or "no reason given"
+
+
 def _transport_error(exc: aiohttp.ClientError, url: str, timeout_s: float,
                      key: str | None) -> str:
     """What went wrong on the way, in words (aiohttp's own texts are often empty)."""
@@ -454,6 +472,12 @@ def _transport_error(exc: aiohttp.ClientError, url: str, timeout_s: float,
         what = f"could not connect to {where} ({exc.os_error.strerror or name}): {name}"
     elif isinstance(exc, aiohttp.ServerDisconnectedError):
         what = f"the model server closed the connection: {name}"
+    elif isinstance(exc, aiohttp.ClientResponseError):
+        # Its str() also says "400" (not the server's status) and the URL.
+        what = (f"the model server's reply could not be read as HTTP "
+                f"({_parser_words(exc.message)}): {name}")
+    elif isinstance(exc, aiohttp.ClientPayloadError):
+        what = f"{name}: {_parser_words(str(exc))}"
     else:
         what = f"{name}: {exc}".rstrip(": ")
     return clip(redact(what, key))
