@@ -77,7 +77,9 @@ class ModelClient:
 
     def proxy(self, url: str) -> tuple[URL | None, BasicAuth | None]:
         """The proxy the environment names for `url` (and its credentials), or none."""
-        origin = url.partition("://")[2].partition("/")[0]
+        # By scheme and host: HTTP_PROXY and HTTPS_PROXY may differ for the same host.
+        scheme, _, rest = url.partition("://")
+        origin = f"{scheme.lower()}://{rest.partition('/')[0]}"
         found = self._proxies.get(origin)
         if found is None:
             try:
@@ -140,10 +142,34 @@ def decode_json(data: bytes | str, provider: str) -> Any:
                          retryable=True) from None
 
 
-async def _read_bounded(response: aiohttp.ClientResponse, provider: str) -> bytes:
+class _Stalled(aiohttp.SocketTimeoutError):
+    """A read of the body that waited `timeout_s` for nothing."""
+
+
+async def _chunks(response: aiohttp.ClientResponse, timeout_s: float
+                  ) -> AsyncIterator[bytes]:
+    """The body as it comes, each read bounded by `timeout_s` here too. aiohttp's own
+    bound (sock_read) is not enough: a body its parser refuses after the headers (an
+    invalid chunk size, a chunk longer than it said) fails the connection but not the
+    body, and stops that timer, so the read waited for the attempt's deadline (10 x
+    timeout_s, ten minutes by default) on a connection long closed."""
+    content = response.content
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await content.readany()
+        except TimeoutError:
+            raise _Stalled() from None
+        if not chunk:
+            return
+        yield chunk
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, provider: str,
+                        timeout_s: float) -> bytes:
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.content.iter_any():
+    async for chunk in _chunks(response, timeout_s):
         size += len(chunk)
         if size > MAX_REPLY_BYTES:
             raise _too_large(provider)
@@ -319,10 +345,10 @@ class _KeyGuard:
         return held
 
 
-async def _read_clipped(response: aiohttp.ClientResponse) -> bytes:
+async def _read_clipped(response: aiohttp.ClientResponse, timeout_s: float) -> bytes:
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.content.iter_any():
+    async for chunk in _chunks(response, timeout_s):
         chunks.append(chunk)
         size += len(chunk)
         if size >= ERROR_BODY_LIMIT:
@@ -351,13 +377,14 @@ async def send(client: ModelClient, req: WireRequest, *, key: str | None,
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s,
                                               sock_read=timeout_s)) as response:
             if not 200 <= response.status < 300:
-                body = await _read_clipped(response)
+                body = await _read_clipped(response, timeout_s)
                 raise http_error(req.provider, response.status, response.headers, body, key)
             guard = _KeyGuard(key)
             if req.stream is None or _is_json(response):
                 # Not streamed, or a server that ignores `stream: true` (some OpenAI-
                 # compatible ones) and answers with the whole reply: read as one.
-                data = decode_json(await _read_bounded(response, req.provider), req.provider)
+                data = decode_json(await _read_bounded(response, req.provider, timeout_s),
+                                   req.provider)
                 with _shape(req.provider):
                     reply = checked(req.parse(data))
                 if req.stream is not None and reply.text and on_delta is not None:
@@ -366,7 +393,8 @@ async def send(client: ModelClient, req: WireRequest, *, key: str | None,
                     await on_delta(reply.text)
             else:
                 decoder = req.stream()
-                async with contextlib.aclosing(_events(response, req.provider)) as events:
+                async with contextlib.aclosing(_events(response, req.provider,
+                                                       timeout_s)) as events:
                     async for name, data in _settled(events, decoder):
                         with _shape(req.provider):
                             delta = decoder.feed(name, data)
@@ -462,7 +490,7 @@ def _parser_words(text: str) -> str:
 def _transport_error(exc: aiohttp.ClientError, url: str, timeout_s: float,
                      key: str | None) -> str:
     """What went wrong on the way, in words (aiohttp's own texts are often empty)."""
-    name = type(exc).__name__
+    name = "SocketTimeoutError" if isinstance(exc, _Stalled) else type(exc).__name__
     where = url.partition("://")[2].partition("/")[0]
     if isinstance(exc, aiohttp.SocketTimeoutError):
         what = f"the model server sent nothing for {timeout_s:g} s (timeout_s): {name}"
@@ -483,7 +511,7 @@ def _transport_error(exc: aiohttp.ClientError, url: str, timeout_s: float,
     return clip(redact(what, key))
 
 
-async def _events(response: aiohttp.ClientResponse, provider: str,
+async def _events(response: aiohttp.ClientResponse, provider: str, timeout_s: float,
                   ) -> AsyncGenerator[tuple[str, str], None]:
     """The stream's events, (name, data), as the SSE spec reads them (lines end with CRLF,
     LF or CR; a blank line ends an event, dispatched if it has data; UTF-8), with every
@@ -501,7 +529,7 @@ async def _events(response: aiohttp.ClientResponse, provider: str,
     cr = False  # the last piece ended with CR: an LF first in the next one belongs to it
     name = ""
     data: list[str] = []
-    async for chunk in response.content.iter_any():
+    async for chunk in _chunks(response, timeout_s):
         size += len(chunk)
         if size > MAX_REPLY_BYTES:
             raise _too_large(provider)

@@ -5,15 +5,17 @@ speaking raw HTTP/1.1 (`RawServer`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
-from actors.llm import Message, ModelSettings, complete
+from actors.llm import Message, ModelClient, ModelSettings, complete
 from schemas.errors import ModelError
+from tests.actors.llm.test_client import Proxy, proxy
 from tests.actors.llm.test_hostile_provider import RawServer, Reply, server
 
-__all__ = ["server"]
+__all__ = ["proxy", "server"]
 
 # A key in no provider's shape (an Azure or self-hosted one): only `redact`'s exact match
 # would find it, and not once it is cut.
@@ -83,3 +85,41 @@ async def test_a_reply_aiohttp_cannot_parse_never_quotes_the_key_nor_part_of_it(
     while cause is not None:
         assert not quotes_key(repr(cause)) and not quotes_key(str(cause)), repr(cause)
         cause = cause.__cause__
+
+
+CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n"
+           b"keep-alive: timeout=60\r\n\r\n")
+EVENT = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+
+
+@pytest.mark.parametrize(("stream", "first", "then"), [
+    (False, CHUNKED % b"application/json" + b"2\r\n{\"\r\n", b"zz\r\n"),
+    (True, CHUNKED % b"text/event-stream" + b"%x\r\n%s\r\n" % (len(EVENT), EVENT),
+     b"zz" + K + b"\r\n"),
+    (True, CHUNKED % b"text/event-stream" + b"%x\r\n%s\r\n" % (len(EVENT), EVENT),
+     b"4\r\nabcdef\r\n"),
+], ids=["whole-chunk-size", "streamed-chunk-size", "streamed-chunk-overrun"])
+async def test_a_body_aiohttp_refuses_after_the_headers_fails_within_timeout_s(
+        server: tuple[RawServer, int], stream: bool, first: bytes, then: bytes) -> None:
+    # aiohttp hands such a parser error to the connection, not to the body being read,
+    # and stops its sock_read timer: the read waited for the attempt's deadline
+    # (10 x timeout_s, ten minutes by default), with the connection long closed. Each
+    # read is bounded by timeout_s of the transport's own.
+    srv, port = server
+    srv.reply = raw(first, then=then, after_s=0.2)
+    start = time.monotonic()
+    got = await ask(port, stream=stream, timeout_s=0.5)
+    assert time.monotonic() - start < 3.0  # 0.2 + 0.5, with room for a loaded machine
+    assert isinstance(got, ModelError) and got.retryable, got
+    assert got.kind == ("partial_stream" if stream else "unavailable"), got
+    assert "the model server sent nothing for 0.5 s (timeout_s)" in got.message, got
+    assert not quotes_key(got.message), got.message
+
+
+async def test_the_proxy_is_looked_up_per_scheme_not_only_per_host(proxy: Proxy) -> None:
+    # HTTP_PROXY only: a call to https:// on a host called before over http:// is not
+    # sent through it (the lookup was cached by host alone).
+    async with ModelClient() as client:
+        assert client.proxy("http://model.test/v1")[0] is not None
+        assert client.proxy("https://model.test/v1") == (None, None)
+    assert proxy.lines == []

@@ -76,7 +76,7 @@ def _spec_events(body: bytes) -> list[tuple[str, str]]:
 async def _read(port: int) -> list[tuple[str, str]]:
     async with ModelClient() as client, client.session.get(
             f"http://127.0.0.1:{port}/") as response:
-        return [e async for e in _events(response, "openai")]
+        return [e async for e in _events(response, "openai", 5.0)]
 
 
 BODY = ("data: a\r\n\r\nevent: x\rdata: é€😀\r\rid: 7\n\ndata\n\n: c\ndata:  sp\r\n"
