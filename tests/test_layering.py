@@ -88,3 +88,21 @@ def test_no_import_cycle_between_the_modules_of_a_package(package: str) -> None:
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_command_that_calls_no_model_does_not_load_aiohttp() -> None:
+    # nats-py imports aiohttp when it is installed (for a WebSocket transport toolbus does
+    # not use): 0.1 s more for every CLI command to start. bus/ hides it from nats, and the
+    # model calls still find it.
+    import subprocess
+    import sys
+
+    code = ("import sys, bus.connection, services.commands\n"
+            "assert 'aiohttp' not in sys.modules, 'aiohttp was loaded'\n"
+            "import nats.aio.transport as t\n"
+            "assert t.aiohttp is None\n"
+            "from actors.llm import ModelClient\n"
+            "assert sys.modules['aiohttp'] is not None\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
