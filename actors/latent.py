@@ -18,7 +18,7 @@ stored, replay reads it from the log and never calls a model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -46,6 +46,17 @@ def latent_prompt(spec: ToolSpec) -> str:
             f"with one JSON value that matches this JSON Schema, and nothing else: {schema}")
 
 
+async def _model_client() -> AsyncIterator[ModelClient]:
+    async with ModelClient() as client:
+        yield client
+
+
+# One client for the latent tools of an executor, opened with it: its connections are
+# kept alive from one call to the next (a TLS handshake to the provider each call cost
+# tens of milliseconds).
+MODEL_CLIENT: Final = Resource(_model_client, "model client")
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class LatentTool:
     """A `RunnableTool` whose implementation is a structured model call."""
@@ -53,8 +64,8 @@ class LatentTool:
     spec: ToolSpec
     settings: ModelSettings
     max_output_retries: int = DEFAULT_MAX_OUTPUT_RETRIES
-    injected: dict[str, Resource] = field(default_factory=dict)
-    client: ModelClient | None = None
+    injected: dict[str, Resource] = field(default_factory=lambda: {"client": MODEL_CLIENT})
+    client: ModelClient | None = None  # when run without the executor's resources
 
     def check_arguments(self, arguments: dict[str, Any]) -> None:
         """Any arguments will do: the approval actor checked them against the schema."""
@@ -63,13 +74,14 @@ class LatentTool:
                   *, progress: Any = None) -> Any:
         assert self.spec.output is not None
         validator = Validator(self.spec.output)
+        client = (resources or {}).get(MODEL_CLIENT) or self.client
         messages = [Message(role="user", text=msgspec.json.encode(arguments).decode())]
         violations: list[str] = []
         for _ in range(self.max_output_retries + 1):
             try:
                 reply = await complete(self.settings, system=latent_prompt(self.spec),
                                        messages=messages, tools=[],
-                                       response_schema=self.spec.output, client=self.client)
+                                       response_schema=self.spec.output, client=client)
             except ModelError as exc:
                 raise ToolError(str(exc), error_type="model_error",
                                 retryable=exc.retryable) from exc

@@ -51,6 +51,7 @@ class ScriptedChat:
         self.script: list[tuple[Any, ...]] = []
         self.received: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.peers: list[tuple[str, int] | None] = []  # each request's client address
         self.port = 0
         self.asked = asyncio.Event()  # set at the first request
         self.ignore_stream = False  # answer `stream: true` with the whole JSON reply
@@ -62,6 +63,7 @@ class ScriptedChat:
         self.received.append(json.loads(await request.body()))
         self.asked.set()
         self.headers.append(dict(request.headers))
+        self.peers.append(tuple(request.client) if request.client else None)  # type: ignore[arg-type]
         if not self.script:
             return JSONResponse({"error": {"message": "script exhausted"}}, status_code=500)
         status, body, *delay = self.script.pop(0)

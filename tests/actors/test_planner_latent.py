@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from actors.composed import composed_schema, read_composed
-from actors.latent import LatentExecutor, latent_spec
+from actors.latent import LatentExecutor, LatentTool, latent_spec
 from actors.llm.types import ModelSettings
 from actors.planner import EMIT_OUTPUT, Planner, Rules
+from actors.tools import ResourceScope
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import EventLog
@@ -173,6 +174,21 @@ async def test_a_composed_output_is_judged_against_the_output_schema(
 SENTIMENT_OUT = {"type": "object", "properties": {"sentiment": {"type": "string"},
                                                   "confidence": {"type": "number"}},
                  "required": ["sentiment", "confidence"]}
+
+
+async def test_latent_calls_of_one_executor_share_its_model_connections(
+        model: ScriptedChat) -> None:
+    # One client per executor, opened with it: a client per call made a new connection
+    # (and, to a real provider, a TLS handshake) every call.
+    spec = latent_spec("text:sentiment", description="Analyzes text sentiment",
+                       parameters={"type": "object"}, output=SENTIMENT_OUT)
+    tool = LatentTool(spec, _settings(model))
+    answer = {"sentiment": "positive", "confidence": 0.9}
+    model.script = [(200, reply(json.dumps(answer))) for _ in range(3)]
+    async with ResourceScope([tool]) as scope:
+        for _ in range(3):
+            assert await tool.run({"text": "fine"}, scope.values) == answer
+    assert len(model.peers) == 3 and len(set(model.peers)) == 1, model.peers
 
 
 async def test_a_latent_tool_is_run_by_the_model_and_stored_with_executor_latent(
