@@ -1185,8 +1185,9 @@ async def _executors(url: str) -> int:
         print("no live executors", file=sys.stderr)
         return EXIT_OK
     for i in infos:
-        sys.stdout.write(f"{i.instance}  pool={i.pool}  host={i.host} pid={i.pid}  "
-                         f"tools={','.join(i.tools)}\n")
+        # Names an executor registered: shown inert, whatever they hold.
+        sys.stdout.write(_printable(f"{i.instance}  pool={i.pool}  host={i.host} "
+                                    f"pid={i.pid}  tools={','.join(i.tools)}") + "\n")
     return EXIT_OK
 
 
