@@ -20,11 +20,13 @@ _NUM_PENDING = Header.NUM_PENDING.value
 _NO_RESPONDERS = "503"  # nobody serves direct gets for that stream: it does not exist
 
 
-async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int
-                       ) -> tuple[list[tuple[int, str, bytes]], int]:
+async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, *,
+                       timeout: float = 10.0) -> tuple[list[tuple[int, str, bytes]], int]:
     """One batched direct get: up to `size` (seq, subject, data) from `start`,
     and how many more match. A callback subscription, not `next_msg` per message:
-    this is what `toolbus replay` and every cold start spend their time in."""
+    this is what `toolbus replay` and every cold start spend their time in.
+    `BusTimeoutError` when the batch does not end within `timeout` (the replica that
+    took the request died, or its reply was lost): never a wait forever."""
     nc = bus.nc
     batch: list[tuple[int, str, bytes]] = []
     done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -58,7 +60,12 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int
         subject = f"$JS.API.DIRECT.GET.{stream}"
         with bus.fails_if_denied(subject, done):  # a role that may not read this stream
             await nc.publish(subject, json.dumps(req).encode(), reply=inbox)
-            pending = await done
+            try:
+                async with asyncio.timeout(timeout):
+                    pending = await done
+            except TimeoutError:
+                raise BusTimeoutError(f"reading {filt}: the batch from seq {start} did not "
+                                      f"end within {timeout:g} s") from None
     finally:
         await sub.unsubscribe()
     return batch, pending

@@ -11,10 +11,11 @@ import pytest
 
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
+from bus.direct import direct_batch
 from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer
 from bus.subjects import EVENTS_STREAM
-from schemas.errors import ConcurrencyError, ConnectError, PortInUseError
+from schemas.errors import BusTimeoutError, ConcurrencyError, ConnectError, PortInUseError
 from schemas.events import CallStarted, TurnCompleted
 from tests.conftest import EventWatch, of_type
 
@@ -289,3 +290,24 @@ async def test_a_caller_whose_server_never_comes_back_is_told_so_not_left_waitin
         await proxy.cut()  # and never opened again
         with pytest.raises(BusTimeoutError, match="lost the connection to NATS"):
             await asyncio.wait_for(calling, 20)
+
+
+async def test_a_direct_get_whose_reply_never_comes_fails_instead_of_waiting_forever(
+        bus: Bus) -> None:
+    """A batched direct get taken by a replica that dies before its end-of-batch (a node
+    killed) is never answered: it fails within its timeout, as any read does, where it
+    waited forever (a session's cold load, `read_head`, hung with it)."""
+    stream = "TB_SILENT"  # no such stream: only this subscriber takes its direct gets
+    taken: list[bytes] = []
+
+    async def swallow(msg: Any) -> None:
+        taken.append(msg.data)  # and never answers
+
+    sub = await bus.nc.subscribe(f"$JS.API.DIRECT.GET.{stream}", cb=swallow)
+    try:
+        async with asyncio.timeout(5):
+            with pytest.raises(BusTimeoutError, match="did not end within"):
+                await direct_batch(bus, stream, "x.>", 1, 10, timeout=0.3)
+    finally:
+        await sub.unsubscribe()
+    assert taken  # the request did go out, and found someone
