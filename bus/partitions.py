@@ -67,8 +67,8 @@ class PartitionOwner:
         self._renew_s = renew_s
         self._kv: KeyValue | None = None
         self.owned: dict[int, int] = {}  # partition -> the revision of our lease
-        # partition -> until when (monotonic) its lease surely holds: the start of the
-        # round that last wrote it, plus the lease's TTL
+        # partition -> until when (monotonic) its lease surely holds: when its last
+        # write was sent, plus the lease's TTL
         self._sure_until: dict[int, float] = {}
         # Partitions being given up: their messages in hand are still finishing.
         self._releasing: dict[int, asyncio.Task[None]] = {}
@@ -127,33 +127,23 @@ class PartitionOwner:
     async def _round(self) -> None:
         kv = self._kv
         assert kv is not None
-        # Every lease this round writes expires no sooner than this plus its TTL.
-        sure_until = time.monotonic() + LEASE_TTL_S
+        # The leases held are renewed first, all at once: one round trip, however many
+        # partitions, and before anything else this round does can fail or stall. Each
+        # lease surely holds until the TTL after its write was sent (the server stores
+        # it no sooner). When `sure_until` was the start of the round, a round slower
+        # than the TTL (10 sequential writes to an R3 bucket, on a loaded machine or
+        # while the cluster elects) left the partitions renewed last not held "for
+        # sure" although the lease never changed hands, and their every event was
+        # dropped, again at each redelivery, for as long as that went on.
+        renewals = await asyncio.gather(*(self._renew(part, revision) for part, revision
+                                          in list(self.owned.items())),
+                                        return_exceptions=True)
+        failed = next((r for r in renewals if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
         await kv.put(f"{self._group}.m.{self._instance}", b"1")
         members = await self._members()
         want = math.ceil(self.partitions / max(members, 1))
-        for part, revision in list(self.owned.items()):
-            try:
-                self.owned[part] = await kv.update(self._lease(part), self._instance.encode(),
-                                                   last=revision)
-                self._sure_until[part] = sure_until
-            except nats.js.errors.KeyWrongLastSequenceError:
-                # The lease expired (the bus was away longer than its TTL: a cluster
-                # electing the bucket's leader). If nobody took it meanwhile, it is taken
-                # again at once: the partition never changed hands, so its consumers and
-                # states go on, instead of being dropped and loaded again.
-                try:
-                    self.owned[part] = await kv.create(self._lease(part),
-                                                       self._instance.encode())
-                    self._sure_until[part] = sure_until
-                    log.warning("%s %s: lease of partition %d expired; taken again",
-                                self._group, self._instance, part)
-                    continue
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    pass  # another member holds it now
-                log.warning("%s %s: lost partition %d", self._group, self._instance, part)
-                self.owned.pop(part, None)
-                self._release(part)
         for part in sorted(self.owned, reverse=True)[:max(len(self.owned) - want, 0)]:
             self._release(part, revision=self.owned.pop(part))
         if len(self.owned) >= want:
@@ -164,15 +154,44 @@ class PartitionOwner:
             part = (start + i) % self.partitions
             if part in self.owned or part in self._releasing:
                 continue
+            sent = time.monotonic()
             try:
                 revision = await kv.create(self._lease(part), self._instance.encode())
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue  # held by another member
             self.owned[part] = revision
-            self._sure_until[part] = sure_until
+            self._sure_until[part] = sent + LEASE_TTL_S
             await self._on_acquire(part)
             if len(self.owned) >= want:
                 return
+
+    async def _renew(self, part: int, revision: int) -> None:
+        kv = self._kv
+        assert kv is not None
+        sent = time.monotonic()
+        try:
+            self.owned[part] = await kv.update(self._lease(part), self._instance.encode(),
+                                               last=revision)
+            self._sure_until[part] = sent + LEASE_TTL_S
+            return
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        # The lease expired (the bus was away longer than its TTL: a cluster electing
+        # the bucket's leader). If nobody took it meanwhile, it is taken again at once:
+        # the partition never changed hands, so its consumers and states go on, instead
+        # of being dropped and loaded again.
+        sent = time.monotonic()
+        try:
+            self.owned[part] = await kv.create(self._lease(part), self._instance.encode())
+            self._sure_until[part] = sent + LEASE_TTL_S
+            log.warning("%s %s: lease of partition %d expired; taken again",
+                        self._group, self._instance, part)
+            return
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass  # another member holds it now
+        log.warning("%s %s: lost partition %d", self._group, self._instance, part)
+        self.owned.pop(part, None)
+        self._release(part)
 
     async def _members(self) -> int:
         kv = self._kv
