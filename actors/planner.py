@@ -1378,7 +1378,8 @@ class Planner:
         if not is_token(sid):
             await delivery.ack()
             return
-        if not self._owner.holds(partition(sid, self._bus.partitions)):
+        part = partition(sid, self._bus.partitions)
+        if not self._owner.holds(part) and not await self._owner.surely_holds(part):
             # Maybe another planner's now (this process was stopped or starved past its
             # lease): left unacknowledged, it goes to the owner, whose state must fold it.
             return

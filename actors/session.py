@@ -590,7 +590,8 @@ class SessionActor:
         if not is_token(sid):
             await delivery.ack()
             return
-        if not self._owner.holds(partition(sid, self._kernel.bus.partitions)):
+        part = partition(sid, self._kernel.bus.partitions)
+        if not self._owner.holds(part) and not await self._owner.surely_holds(part):
             # Maybe another process's now (this one was stopped or starved past its
             # lease): left unacknowledged, it goes to the owner, whose state must fold it.
             return

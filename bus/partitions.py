@@ -73,6 +73,8 @@ class PartitionOwner:
         # Partitions being given up: their messages in hand are still finishing.
         self._releasing: dict[int, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
+        # Set, and replaced by a new one, at the end of each round (see `surely_holds`).
+        self._round_end = asyncio.Event()
 
     @property
     def partitions(self) -> int:
@@ -84,6 +86,23 @@ class PartitionOwner:
         another member without knowing yet; a message it handled and acknowledged then
         would be missing from the new owner's state."""
         return time.monotonic() < self._sure_until.get(part, 0.0)
+
+    async def surely_holds(self, part: int, wait: float = LEASE_TTL_S) -> bool:
+        """`holds(part)`, or, for a partition this member still owns whose renewal is
+        late (a slow round on a loaded machine, the bucket's leader being elected),
+        whether it does once the rounds of the next `wait` seconds have renewed it. A
+        message handed back unacknowledged comes again only after its ack wait, and was
+        handed back again and again for as long as the rounds stayed slow, each time
+        counted as a delivery."""
+        deadline = time.monotonic() + wait
+        while not self.holds(part):
+            left = deadline - time.monotonic()
+            if part not in self.owned or left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._round_end.wait()
+        return True
 
     def _lease(self, part: int) -> str:
         return f"{self._group}.p{part}"
@@ -101,6 +120,7 @@ class PartitionOwner:
         held = dict(self.owned)
         self.owned.clear()
         self._sure_until.clear()
+        self._round_end.set()  # `surely_holds` waits no more: nothing is held
         for part in sorted(held):
             await self._on_release(part)
         await asyncio.gather(*self._releasing.values(), return_exceptions=True)
@@ -123,6 +143,9 @@ class PartitionOwner:
             except Exception as exc:  # the bus is away: try again next round
                 log.warning("%s %s: partition leases: %s: %s", self._group, self._instance,
                             type(exc).__name__, exc)
+            finally:
+                ended, self._round_end = self._round_end, asyncio.Event()
+                ended.set()
 
     async def _round(self) -> None:
         kv = self._kv

@@ -22,7 +22,7 @@ from bus.partitions import PartitionOwner
 from bus.server import free_port
 from bus.streams import stored_partitions
 from bus.subjects import LEASES_BUCKET, partition
-from schemas.defaults import LEASE_TTL_S
+from schemas.defaults import LEASE_RENEW_S, LEASE_TTL_S
 from schemas.events import CallFailed, CallSucceeded, TurnCompleted
 from tests.conftest import Proc, role_url
 
@@ -161,6 +161,32 @@ async def test_a_lease_round_slower_than_the_ttl_still_holds_every_partition(
             assert [p for p in range(8) if not a.owner.holds(p)] == []
     finally:
         kv.update = real_update  # type: ignore[method-assign]
+        await a.owner.stop()
+
+
+async def test_a_message_of_a_partition_whose_renewal_is_late_waits_for_the_next_round(
+        bus: Bus) -> None:
+    """A member that still owns a partition but is not sure of it (its renewal late) lets
+    a message wait for the next round rather than hand it back: handed back, it came
+    again only after its ack wait, was handed back again while the rounds stayed slow,
+    and each time counted as a delivery, until the kernel gave it up."""
+    group = f"t-{uuid.uuid4().hex[:8]}"
+    a = _Member(bus, group, "a", 2)
+    await a.owner.start()
+    try:
+        a.owner._sure_until[0] = 0.0  # as after a round slower than the TTL
+        assert not a.owner.holds(0)
+        start = time.monotonic()
+        assert await a.owner.surely_holds(0)  # renewed by the next round (each second)
+        assert time.monotonic() - start <= LEASE_RENEW_S + 1.0
+        assert not await a.owner.surely_holds(5)  # not ours: at once
+        assert a.owner._task is not None
+        a.owner._task.cancel()  # the rounds stall: waited for as long as asked, no more
+        a.owner._sure_until[1] = 0.0
+        start = time.monotonic()
+        assert not await a.owner.surely_holds(1, wait=0.3)
+        assert 0.3 <= time.monotonic() - start < 1.5
+    finally:
         await a.owner.stop()
 
 
