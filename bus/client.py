@@ -146,6 +146,9 @@ _FAILOVER_S = 15.0
 _RECONNECT_CHECK_S = 0.5
 # A caller waiting for a turn gives up this long after its connection went away for good.
 GIVE_UP_AWAY_S = 30.0
+# Direct gets of an event a turn's end references, while it is not found: on a cluster
+# a replica still behind answers "no such message" for a moment (0.05 s, 0.1 s, ...).
+_BEHIND_ATTEMPTS = 8
 
 
 class ToolbusClient:
@@ -503,8 +506,7 @@ class ToolbusClient:
                 continue
             ev: Event | None = seen.get(o.call_id)
             if ev is None and o.result_seq is not None:
-                stored = await self.log.read_at(o.result_seq)
-                ev = stored.event if stored is not None else None
+                ev = await self._stored_at(o.result_seq)
             if isinstance(ev, CallSucceeded) and ev.call_id == o.call_id and \
                     ev.session_id == end.session_id:
                 o = msgspec.structs.replace(o, result=ev.result, result_ref=ev.result_ref)
@@ -512,6 +514,18 @@ class ToolbusClient:
                 o = msgspec.structs.replace(o, result=await self._fetch(o.result_ref))
             outcomes.append(o)
         return msgspec.structs.replace(end, outcomes=outcomes)
+
+    async def _stored_at(self, seq: int) -> Event | None:
+        """The event at `seq`, which a stored turn's end references: a direct get that
+        a replica still behind serves finds nothing yet (a cluster), so it is asked
+        again for a while, instead of the outcome's result being left empty."""
+        for attempt in range(_BEHIND_ATTEMPTS):
+            stored = await self.log.read_at(seq)
+            if stored is not None:
+                return stored.event
+            if attempt < _BEHIND_ATTEMPTS - 1:
+                await asyncio.sleep(0.05 * (attempt + 1))
+        return None
 
     async def fold_session(self, session_id: str, *, until: int | None = None
                            ) -> SessionState:

@@ -16,7 +16,13 @@ from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer
 from bus.subjects import EVENTS_STREAM
 from schemas.errors import BusTimeoutError, ConcurrencyError, ConnectError, PortInUseError
-from schemas.events import CallStarted, TurnCompleted
+from schemas.events import (
+    CallOutcome,
+    CallStarted,
+    CallSucceeded,
+    RequestRejected,
+    TurnCompleted,
+)
 from tests.conftest import EventWatch, of_type
 
 
@@ -311,3 +317,28 @@ async def test_a_direct_get_whose_reply_never_comes_fails_instead_of_waiting_for
     finally:
         await sub.unsubscribe()
     assert taken  # the request did go out, and found someone
+
+
+async def test_a_result_not_found_at_first_is_read_again_not_left_empty(bus: Bus,
+                                                                        sid: str) -> None:
+    """On a cluster, a direct get that a replica still behind serves finds no message at
+    a sequence a stored turn's end references: the outcome came back with its result
+    empty (found by a cluster kill test). The client asks again for a while."""
+    log = EventLog(bus)
+    seq = (await bus.js.stream_info(EVENTS_STREAM)).state.last_seq + 1
+    done = CallSucceeded(session_id=sid, at=1.0, actor="executor", call_id="t1-0",
+                         turn_id="t1", executor="x", result={"late": True})
+
+    async def stored_late() -> None:
+        await asyncio.sleep(0.2)  # the replica catching up
+        assert (await log.append(Append(done, f"{sid}:t1-0:late"))).seq == seq
+
+    end = TurnCompleted(session_id=sid, at=2.0, actor="session", turn_id="t1",
+                        request_id="t1", ok=True,
+                        outcomes=[CallOutcome(call_id="t1-0", tool="built-in:echo",
+                                              status="succeeded", result_seq=seq)])
+    late = asyncio.create_task(stored_late())
+    got = await ToolbusClient(bus)._with_results(end, {}, full=False)
+    await late
+    assert not isinstance(got, RequestRejected)
+    assert got.outcomes[0].result == {"late": True}
