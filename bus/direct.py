@@ -25,15 +25,20 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, 
     """One batched direct get: up to `size` (seq, subject, data) from `start`,
     and how many more match. A callback subscription, not `next_msg` per message:
     this is what `toolbus replay` and every cold start spend their time in.
-    `BusTimeoutError` when the batch does not end within `timeout` (the replica that
-    took the request died, or its reply was lost): never a wait forever."""
+    `BusTimeoutError` when nothing of the batch comes for `timeout` seconds (the replica
+    that took the request died, or its reply was lost): never a wait forever. A batch
+    that keeps coming (large chunks on a slow link) is not cut short."""
     nc = bus.nc
     batch: list[tuple[int, str, bytes]] = []
-    done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
     last_pending = 0
+    quiet: asyncio.Timeout | None = None
 
     async def on_msg(msg: Msg) -> None:
         nonlocal last_pending
+        if quiet is not None:
+            quiet.reschedule(loop.time() + timeout)
         hdrs = msg.headers or {}
         status = hdrs.get(_STATUS)
         if status is not None and not msg.data:
@@ -61,11 +66,11 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, 
         with bus.fails_if_denied(subject, done):  # a role that may not read this stream
             await nc.publish(subject, json.dumps(req).encode(), reply=inbox)
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(timeout) as quiet:
                     pending = await done
             except TimeoutError:
-                raise BusTimeoutError(f"reading {filt}: the batch from seq {start} did not "
-                                      f"end within {timeout:g} s") from None
+                raise BusTimeoutError(f"reading {filt}: nothing more of the batch from seq "
+                                      f"{start} came for {timeout:g} s") from None
     finally:
         await sub.unsubscribe()
     return batch, pending
