@@ -5,6 +5,7 @@ round trip is a stored pair of events, and replay calls no model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -353,40 +354,47 @@ async def test_text_deltas_are_published_live_and_not_stored(
                                         for s in await EventLog(bus).read_session(sid))
 
 
-def _approvals_planner(bus: Bus, system: dict[str, Any], model: ScriptedChat) -> Planner:
-    """A planner offering the `approvals:` tools (which wait for a human), not started."""
+@contextlib.asynccontextmanager
+async def _waiting_for_a_human(bus: Bus, system: dict[str, Any], client: ToolbusClient,
+                               model: ScriptedChat, sid: str, *answers: Any
+                               ) -> AsyncIterator[tuple[asyncio.Task[Any], Any]]:
+    """A planner turn ("Write hi.") whose model calls `approvals:write`, which waits for a
+    human: yields the task asking and its `approval.requested`, with the planner (offering
+    the `approvals:` tools) running until the block ends. `answers`: the model's replies
+    after the call."""
+    from tests.conftest import of_type
+
     settings = ModelSettings(provider="openai", model="scripted", api_key="k",
                              base_url=f"http://127.0.0.1:{model.port}/v1")
-    return Planner(bus, system["catalog"], settings,
-                   tools=lambda spec: spec.name.startswith("approvals:"))
+    p = Planner(bus, system["catalog"], settings,
+                tools=lambda spec: spec.name.startswith("approvals:"))
+    await p.start()
+    try:
+        async with EventWatch(bus, sid) as watch:
+            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
+                            *answers]
+            asking = asyncio.create_task(client.ask(sid, "Write hi."))
+            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
+            yield asking, of_type(events, "approval.requested")[0]
+    finally:
+        await p.stop()
 
 
 async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str, nats_url: str) -> None:
-    from tests.conftest import of_type
-
-    p = _approvals_planner(bus, system, model)
-    await p.start()
-    try:
-        async with EventWatch(bus, sid) as watch:
-            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
-                            (200, reply("Written."))]
-            asking = asyncio.create_task(client.ask(sid, "Write hi."))
-            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
-            waiting = of_type(events, "approval.requested")[0]
-            await asyncio.sleep(0.3)
-            assert len(model.received) == 1  # nothing happens while a human is asked
-            # Decided from another process, as a user does.
-            approved = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "services.cli", "approve",
-                                 waiting.call_id, "--session", sid, "--by", "ada",
-                                 "--nats", nats_url],
-                capture_output=True, text=True, timeout=60, cwd=REPO)
-            assert approved.returncode == 0, approved.stderr
-            end = await asyncio.wait_for(asking, 30)
-    finally:
-        await p.stop()
+    async with _waiting_for_a_human(bus, system, client, model, sid,
+                                    (200, reply("Written."))) as (asking, waiting):
+        await asyncio.sleep(0.3)
+        assert len(model.received) == 1  # nothing happens while a human is asked
+        # Decided from another process, as a user does.
+        approved = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "approve",
+                             waiting.call_id, "--session", sid, "--by", "ada",
+                             "--nats", nats_url],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert approved.returncode == 0, approved.stderr
+        end = await asyncio.wait_for(asking, 30)
     assert isinstance(end, TurnCompleted) and end.text == "Written."
     assert json.loads(next(m for m in model.received[1]["messages"]
                            if m["role"] == "tool")["content"]) == {"wrote": "hi"}
@@ -398,25 +406,18 @@ async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_l
     from bus.approvals import ApprovalStore
     from tests.conftest import of_type
 
-    p = _approvals_planner(bus, system, model)
-    await p.start()
     store = ApprovalStore(bus)
-    try:
-        async with EventWatch(bus, sid) as watch:
-            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
-                            *[(200, reply("Noted."))] * 3]
-            asking = asyncio.create_task(client.ask(sid, "Write hi."))
-            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
-            waiting = of_type(events, "approval.requested")[0]
-            async with asyncio.timeout(15):
-                while not (listed := [a for a in await store.load()  # noqa: ASYNC110
-                                      if a.call_id == waiting.call_id]):
-                    await asyncio.sleep(0.1)
-            # A tool event that starts a turn of its own supersedes this one: the call
-            # ends without anyone deciding it.
-            await client.inject(sid, "crm:login", {"user": "ada"}, idempotency_key="in-1",
-                                trigger_processing=True)
-            assert isinstance(await asyncio.wait_for(asking, 30), TurnCancelled)
+    async with _waiting_for_a_human(bus, system, client, model, sid,
+                                    *[(200, reply("Noted."))] * 3) as (asking, waiting):
+        async with asyncio.timeout(15):
+            while not (listed := [a for a in await store.load()  # noqa: ASYNC110
+                                  if a.call_id == waiting.call_id]):
+                await asyncio.sleep(0.1)
+        # A tool event that starts a turn of its own supersedes this one: the call ends
+        # without anyone deciding it.
+        await client.inject(sid, "crm:login", {"user": "ada"}, idempotency_key="in-1",
+                            trigger_processing=True)
+        assert isinstance(await asyncio.wait_for(asking, 30), TurnCancelled)
         async with asyncio.timeout(15):
             while any(a.call_id == waiting.call_id  # noqa: ASYNC110 - a KV, polled
                       for a in await store.load()):
@@ -427,8 +428,6 @@ async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_l
         async with EventWatch(bus, sid) as watch:  # the tool event's turn, over before
             await watch.until(lambda evs: bool(  # the next test's planner could take it
                 of_type(evs, "turn.completed") or of_type(evs, "turn.failed")))
-    finally:
-        await p.stop()
 
 
 async def test_a_cancelled_turn_stops_its_model_call_so_the_turn_replacing_it_starts_at_once(
@@ -782,43 +781,33 @@ async def test_a_turn_waiting_for_a_human_is_cancelled_from_another_process(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str, nats_url: str) -> None:
     from bus.approvals import ApprovalStore
-    from tests.conftest import of_type
 
-    p = _approvals_planner(bus, system, model)
-    await p.start()
-    try:
-        async with EventWatch(bus, sid) as watch:
-            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
-                            (200, reply("Written."))]
-            asking = asyncio.create_task(client.ask(sid, "Write hi."))
-            events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
-            waiting = of_type(events, "approval.requested")[0]
-            # The user's stop button: `toolbus cancel`, as from another terminal.
-            stopped = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "services.cli", "cancel",
-                                 waiting.turn_id, "--session", sid, "--reason",
-                                 "changed my mind", "--nats", nats_url],
-                capture_output=True, text=True, timeout=60, cwd=REPO)
-            assert stopped.returncode == 0, stopped.stderr
-            assert "cancelled" in stopped.stderr and "changed my mind" in stopped.stderr
-            end = await asyncio.wait_for(asking, 30)
-            assert isinstance(end, TurnCancelled) and end.reason == "cancelled", end
-            # Nothing is left to decide, nor to cancel.
-            late = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "services.cli", "approve",
-                                 waiting.call_id, "--session", sid, "--nats", nats_url],
-                capture_output=True, text=True, timeout=60, cwd=REPO)
-            assert late.returncode != 0, late.stdout
-            again = await client.cancel(sid, waiting.turn_id)
-            assert isinstance(again, RequestRejected) and again.reason == "turn_ended"
-            nothing = await client.cancel(sid, "no-such-turn")
-            assert isinstance(nothing, RequestRejected) and nothing.reason == "unknown_turn"
+    async with _waiting_for_a_human(bus, system, client, model, sid,
+                                    (200, reply("Written."))) as (asking, waiting):
+        # The user's stop button: `toolbus cancel`, as from another terminal.
+        stopped = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "cancel",
+                             waiting.turn_id, "--session", sid, "--reason",
+                             "changed my mind", "--nats", nats_url],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert stopped.returncode == 0, stopped.stderr
+        assert "cancelled" in stopped.stderr and "changed my mind" in stopped.stderr
+        end = await asyncio.wait_for(asking, 30)
+        assert isinstance(end, TurnCancelled) and end.reason == "cancelled", end
+        # Nothing is left to decide, nor to cancel.
+        late = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "approve",
+                             waiting.call_id, "--session", sid, "--nats", nats_url],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert late.returncode != 0, late.stdout
+        again = await client.cancel(sid, waiting.turn_id)
+        assert isinstance(again, RequestRejected) and again.reason == "turn_ended"
+        nothing = await client.cancel(sid, "no-such-turn")
+        assert isinstance(nothing, RequestRejected) and nothing.reason == "unknown_turn"
         async with asyncio.timeout(15):
             while any(a.call_id == waiting.call_id  # noqa: ASYNC110 - a KV, polled
                       for a in await ApprovalStore(bus).load()):
                 await asyncio.sleep(0.1)
-    finally:
-        await p.stop()
     state = await settled_state(bus, client, sid)
     call = state.calls[waiting.call_id]
     assert call.status == "failed" and call.error is not None
