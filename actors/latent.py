@@ -32,7 +32,7 @@ from actors.tools import Resource, RunnableTool, ToolError
 from bus.connection import Bus
 from schemas.errors import ModelError
 from schemas.tools import Annotations, ToolSpec
-from schemas.validation import Validator
+from schemas.validation import validator_for
 
 LATENT_POOL: Final = "latent"
 LATENT_EXECUTOR: Final = "latent"  # the `executor` of the calls' events
@@ -73,7 +73,7 @@ class LatentTool:
     async def run(self, arguments: dict[str, Any], resources: dict[Resource, Any] | None = None,
                   *, progress: Any = None) -> Any:
         assert self.spec.output is not None
-        validator = Validator(self.spec.output)
+        validator = validator_for(self.spec.output)
         client = (resources or {}).get(MODEL_CLIENT) or self.client
         messages = [Message(role="user", text=msgspec.json.encode(arguments).decode())]
         violations: list[str] = []

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import logging
 import re
@@ -127,7 +126,7 @@ from schemas.state import (
     turn_outcomes,
 )
 from schemas.tools import ToolSpec
-from schemas.validation import Validator
+from schemas.validation import Validator, validator_for
 
 log = logging.getLogger("toolbus.planner")
 
@@ -757,13 +756,8 @@ def _request_step(turn: TurnState, step_id: str | None
     """A think step the turn's request gave, with its schema compiled."""
     for step in turn.think:
         if step.id == step_id:
-            return step, _validator(_encode(step.output_schema))
+            return step, validator_for(step.output_schema)
     return None
-
-
-@functools.lru_cache(maxsize=256)
-def _validator(schema: bytes) -> Validator:
-    return Validator(msgspec.json.decode(schema))
 
 
 def think_prompt(rules: Rules, turn: TurnState, step: ThinkStep | ThinkRequest) -> str:
@@ -1508,7 +1502,7 @@ class Planner:
             system: str | None = match_prompt(rules)
             messages = transcript(state, turn, self._compression, self._history)
             schema = match_schema(rules)
-            validator = Validator(schema)
+            validator = validator_for(schema)
         elif asked.purpose == "think":
             try:
                 found = rules.step(asked.step or "") or _request_step(turn, asked.step)
@@ -1531,7 +1525,7 @@ class Planner:
             publish = self._delta_publisher(sid, asked)
             if rules.mode == "composed":
                 schema = composed_schema(tools, rules.output_schema, emit_output=EMIT_OUTPUT)
-                validator = Validator(schema)
+                validator = validator_for(schema)
                 system = composed_prompt(system, schema)
                 messages = flatten(messages)
                 tools, publish = [], None  # deltas would show raw JSON

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote, urldefrag, urljoin
 
 import jsonschema_rs
+import msgspec
 
 from schemas.defaults import MAX_JSON_DEPTH
 from schemas.errors import ConfigError
@@ -96,6 +98,18 @@ class Validator:
             arguments = copy.copy(arguments)  # never mutate the caller's (stored) dict
             self._fill(arguments)
         return arguments, self.violations(arguments)
+
+
+def validator_for(schema: dict[str, Any]) -> Validator:
+    """`Validator(schema)`, compiled once per distinct schema (the last 256 kept): the
+    planner's match, think and composed schemas and a latent tool's output come back at
+    every model call, and compiling one (and weighing its cost) takes milliseconds."""
+    return _compiled(msgspec.json.encode(schema))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(encoded: bytes) -> Validator:
+    return Validator(msgspec.json.decode(encoded))
 
 
 def describe(violations: list[Violation], what: str) -> str:
