@@ -27,7 +27,6 @@ from bus.connection import Bus
 from bus.direct import direct_batch
 from bus.headers import Header
 from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, session_filter
-from schemas.errors import BusTimeoutError
 from schemas.ids import turn_id_for
 
 # Text deltas kept for a slow reader, per feed; more are dropped (they are live only).
@@ -219,14 +218,10 @@ class SessionFeed:
         are; `before_live`: up to the first heard live), read from the log by direct
         gets."""
         while until is None or self._last < until:
-            try:
-                async with asyncio.timeout(_READ_TIMEOUT_S):
-                    batch, pending = await direct_batch(
-                        self._bus, EVENTS_STREAM, session_filter(self._sid),
-                        self._last + 1, _PAGE)
-            except TimeoutError:
-                raise BusTimeoutError(f"reading the events of session {self._sid}: no "
-                                      f"answer in {_READ_TIMEOUT_S:g} s") from None
+            # Fails (BusTimeoutError) when nothing of a page comes for the timeout.
+            batch, pending = await direct_batch(
+                self._bus, EVENTS_STREAM, session_filter(self._sid), self._last + 1,
+                _PAGE, timeout=_READ_TIMEOUT_S)
             for seq, subject, data in batch:
                 if until is not None and seq > until:
                     return
