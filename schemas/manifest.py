@@ -102,6 +102,18 @@ class _Model(BaseModel):
 PoolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
 
 
+def _http_base_url(v: str | None, advice: str) -> str | None:
+    """A `base_url`: an absolute http(s) URL, without credentials (`user:password@`),
+    which would show wherever the URL does (refused before the URL is quoted)."""
+    authority = re.split(r"[/?#]", (v or "").split("://", 1)[-1], maxsplit=1)[0]
+    if "@" in authority:
+        raise ValueError(f"base_url must not carry credentials (user:password@ before the "
+                         f"host): they would show wherever the URL does; {advice}")
+    if v is not None and not re.match(r"^https?://[^/?#]+", v):
+        raise ValueError(f"base_url must be an absolute http(s) URL, got {v!r}")
+    return v
+
+
 class HttpToolConfig(_Model):
     """The configurable HTTP tool of seed 002, under a name of the manifest's choosing."""
 
@@ -140,9 +152,7 @@ class HttpToolConfig(_Model):
     @field_validator("base_url")
     @classmethod
     def _base_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^/?#]+", v):
-            raise ValueError(f"base_url must be an absolute http(s) URL, got {v!r}")
-        return v
+        return _http_base_url(v, "send them as default_headers (Authorization: ${VAR})")
 
     @field_validator("allowed_methods")
     @classmethod
@@ -521,14 +531,8 @@ class ModelConfig(_Model):
     @field_validator("base_url")
     @classmethod
     def _base_url(cls, v: str | None) -> str | None:
-        authority = re.split(r"[/?#]", (v or "").split("://", 1)[-1], maxsplit=1)[0]
-        if "@" in authority:  # before the URL is quoted below
-            raise ValueError("base_url must not carry credentials (user:password@ before "
-                             "the host): they would show wherever the URL does, and go as "
-                             "Basic auth in place of the key; give the key as api_key: "
-                             "${VAR}")
-        if v is not None and not re.match(r"^https?://[^/?#]+", v):
-            raise ValueError(f"base_url must be an absolute http(s) URL, got {v!r}")
+        v = _http_base_url(v, "go as Basic auth in place of the key; give the key as "
+                              "api_key: ${VAR}")
         return v.rstrip("/") if v else v
 
     @field_validator("api_key")

@@ -179,6 +179,11 @@ def test_a_base_url_with_a_password_is_refused_without_quoting_it(base_url: str,
              f" base_url: '{base_url}'}}}}}}}}")
     message = problems_of(agent)
     assert "agent_config.agents.a.model.base_url" in message and "s3cretpw" not in message
+    # An HTTP tool's base_url too (it loaded, then failed every call).
+    tool = f"tools: {{http: [{{name: 'api:get', base_url: '{base_url}'}}]}}"
+    message = problems_of(tool)
+    assert "base_url must not carry credentials" in message and "s3cretpw" not in message
+    assert "default_headers" in message, message
 
 
 def test_a_key_read_from_a_file_loses_its_line_end_and_a_broken_one_is_refused_unquoted(
