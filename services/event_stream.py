@@ -28,11 +28,15 @@ def frame(event: str, data: bytes, seq: int | None = None) -> bytes:
     """One SSE event. `data` is JSON, one line as toolbus encodes it; a line break in it
     anyway becomes a `data:` line of its own, which readers join back with newlines."""
     head = f"id: {seq}\n" if seq is not None else ""
-    text = data.decode("utf-8", "replace")
-    escaped = escape_controls(text)
-    if escaped != text:
-        data = escaped.encode()
-    body = b"".join(b"data: " + line + b"\n" for line in _LINES.split(data))
+    if not data.isascii() or b"\x7f" in data:  # else nothing to escape (C0 is already)
+        text = data.decode("utf-8", "replace")
+        escaped = escape_controls(text)
+        if escaped != text:
+            data = escaped.encode()
+    if b"\n" in data or b"\r" in data:
+        body = b"".join(b"data: " + line + b"\n" for line in _LINES.split(data))
+    else:  # toolbus's JSON, one line
+        body = b"data: " + data + b"\n"
     return f"{head}event: {event}\n".encode() + body + b"\n"
 
 
