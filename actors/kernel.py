@@ -42,7 +42,7 @@ from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, AppendResult, EventLog
 from bus.snapshots import SnapshotStore, encode_snapshot
 from bus.streams import ConsumerSpec
-from bus.subjects import session_of
+from bus.subjects import partition, session_of
 from schemas.defaults import (
     MAX_DELIVERIES,
     SESSION_CACHE_SIZE,
@@ -354,6 +354,7 @@ class SessionStates:
     def __init__(self, bus: Bus, log: EventLog, *, size: int = SESSION_CACHE_SIZE,
                  snapshot_every: int | None = None) -> None:
         self._log = log
+        self._bus = bus
         self._snapshots = SnapshotStore(bus)
         self._cache: OrderedDict[str, Entry] = OrderedDict()
         self._size = size
@@ -502,6 +503,11 @@ class SessionStates:
         for sid in [s for s in self._cache if not keep(s)]:
             if not self._cache[sid].lock.locked():
                 del self._cache[sid]
+
+    def forget_partition(self, part: int) -> None:
+        """`forget` the sessions of partition `part`."""
+        n = self._bus.partitions
+        self.forget(lambda sid: partition(sid, n) != part)
 
     def peek(self, sid: str) -> Entry | None:
         """The cached entry, if the session is in memory."""

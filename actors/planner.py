@@ -1291,8 +1291,7 @@ class Planner:
     async def _take(self, part: int) -> None:
         # A session of this partition still in memory is from an earlier turn at it (kept
         # then because it was being decided): it lacks what the owner since decided.
-        n = self._bus.partitions
-        self._states.forget(lambda sid: partition(sid, n) != part)
+        self._states.forget_partition(part)
         subjects = tuple(type_filter(t, part) for t in _CONSUMED)
         self._partition_loops[part] = await self._kernel.attach(Inbox(
             ConsumerSpec(EVENTS_STREAM, f"planner-p{part}", subjects,
@@ -1303,8 +1302,8 @@ class Planner:
         loop = self._partition_loops.pop(part, None)
         if loop is not None:
             await self._kernel.detach(loop)
+        self._states.forget_partition(part)
         n = self._bus.partitions
-        self._states.forget(lambda sid: partition(sid, n) != part)
         for sid in [s for s in self._cancelling if partition(s, n) == part]:
             del self._cancelling[sid]
 

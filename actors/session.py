@@ -549,8 +549,7 @@ class SessionActor:
     async def _take(self, part: int) -> None:
         # A session of this partition still in memory is from an earlier turn at it (kept
         # then because it was being decided): it lacks what the owner since decided.
-        n = self._kernel.bus.partitions
-        self._states.forget(lambda sid: partition(sid, n) != part)
+        self._states.forget_partition(part)
         self._partition_loops[part] = [
             await self._kernel.attach(Inbox(
                 ConsumerSpec(EVENTS_STREAM, f"session-events-p{part}",
@@ -566,8 +565,7 @@ class SessionActor:
     async def _give_up(self, part: int) -> None:
         for loop in self._partition_loops.pop(part, []):
             await self._kernel.detach(loop)
-        n = self._kernel.bus.partitions
-        self._states.forget(lambda sid: partition(sid, n) != part)
+        self._states.forget_partition(part)
         log.info("session %s: gave partition %d up", self.instance, part)
 
     def _owns(self, sid: str) -> bool:
