@@ -14,10 +14,23 @@ try:
     from services.process import note_interrupts
 
     note_interrupts()
-    from services.commands import main
+    from collections.abc import Sequence
+
+    from services.commands import main as _main
 except KeyboardInterrupt:
     sys.stderr.write("toolbus: interrupted while starting\n")
     raise SystemExit(130) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command, and one line for a Ctrl-C that reaches no handler of its own (one
+    landing while the arguments are read, on a slow machine, raised out of argparse)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("toolbus: interrupted\n")
+        return 130
+
 
 __all__ = ["main"]
 
