@@ -1,11 +1,13 @@
 """Planner actor: the agent loop, event-sourced.
 
-Consumes: `turn.requested`, `model.requested`, `model.responded`, `policies.matched`,
-`turn.reevaluated`, `output.emitted`, `output.rejected`, the calls' terminal events
-(`call.succeeded`, `call.failed`, `call.rejected`), `result.compressed` (what the model
-reads of a large result: it waits for those due), `tool_event.injected` (seen from the
-next turn on: a turn reads the history as of its `turn.requested`) and `turn.cancelled`,
-one session at a time.
+Consumes: `turn.requested`, the calls' terminal events (`call.succeeded`, `call.failed`,
+`call.rejected`), `result.compressed` (what the model reads of a large result: it waits
+for those due), `tool_event.injected` (seen from the next turn on: a turn reads the
+history as of its `turn.requested`) and `turn.cancelled`, one session at a time: what
+others write. Its own events (`model.*`, `policies.matched`, `turn.reevaluated`,
+`output.*`) are folded as it writes them (or read back at once when something came
+between), never delivered back to it: four deliveries less per one-tool turn, in this
+process and in nats-server.
 Emits: `model.requested` (concurrency-checked, like every decision), `model.responded`
 (a fact: the model's answer), `call.requested` for the calls the model asked for (the
 approval and session actors take them from there, as for explicit calls), the agent
@@ -15,11 +17,12 @@ section's decisions (`policies.matched`, `turn.reevaluated`, `output.emitted` /
 schema).
 
 Level-triggered, as the session actor: after each event, `decide` answers "what is due?"
-from the state alone. The model is called by whoever handles a `model.requested` that has
-no answer yet, holding that message (in-progress acks) until the answer is stored: a
-planner killed before `model.responded` leaves the message to be redelivered and the
-model asked again (a model call has no side effects); killed after it, the answer is in
-the log and nothing asks again. Replay reads the answers from the log and never calls a
+from the state alone. The handler that stores a `model.requested` calls the model, holding
+the message it is handling (in-progress acks) until the answer is stored: a planner
+killed before `model.responded` leaves that message to be redelivered, and whoever
+handles the session next finds the question unanswered and asks again (a model call has
+no side effects; `_recover`); killed after it, the answer is in the log and nothing asks
+again. Replay reads the answers from the log and never calls a
 model. Idempotency: every event has a deterministic id (schemas/ids.py), per turn and
 model iteration, reevaluation round or call.
 
@@ -75,7 +78,14 @@ from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, decode_stored
 from bus.partitions import PartitionOwner, member_name
 from bus.streams import ConsumerSpec, delete_consumers
-from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, partition, session_of, type_filter
+from bus.subjects import (
+    EVENTS_STREAM,
+    LIVE_PREFIX,
+    event_filter,
+    partition,
+    session_of,
+    type_filter,
+)
 from bus.tasks import stop_task
 from schemas.defaults import (
     DECIDE_ATTEMPTS,
@@ -136,13 +146,13 @@ DEFAULT_MAX_REEVALUATIONS = 3
 DEFAULT_MAX_OUTPUT_RETRIES = 2
 EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
-# Model calls one delivery makes at most before it leaves the rest to the next one.
-_ANSWERS_PER_DELIVERY = 8
+# Decisions and model calls one delivery makes at most; past them it is handed back, and
+# its next delivery goes on (`_recover` asks what was left unanswered).
+_STEPS_PER_DELIVERY = 32
 _PERMITS_KEPT = 4096  # (tool, agent, session) policy verdicts remembered at most
 # The events the planner decides on (each partition's consumer filters these).
-_CONSUMED = ("turn.requested", "model.requested", "model.responded", "policies.matched",
-             "turn.reevaluated", "output.emitted", "output.rejected", "call.succeeded",
-             "call.failed", "call.rejected", "result.compressed", "turn.cancelled",
+_CONSUMED = ("turn.requested", "call.succeeded", "call.failed", "call.rejected",
+             "result.compressed", "turn.cancelled",
              "tool_event.injected.*")  # one subject per injected event's id
 _NO_COMPRESSION = Compression()  # the defaults, when no compressor runs
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
@@ -1388,25 +1398,51 @@ class Planner:
                 await self._states.rebuild(entry)
             if isinstance(stored.event, TurnCancelled):  # folded now: see `_arrived`
                 self._folded_cancel(sid, stored.event.turn_id)
-            event = stored.event
-            started: list[_Started] = []
-            if isinstance(event, ModelRequested):
-                # Unanswered only when the planner that asked died (or lost a race).
-                # Writes of this process still to come back are read now (the lock is
-                # held: waiting for their deliveries would wait for this one).
-                if not entry.is_caught_up:
-                    await self._states.reread(entry)
-                ask = self._prepare(entry.state, event)
-                if ask is not None:
-                    reply = await _reply_of(self._start_call(ask, delivery))
-                    if reply is not _CANCELLED:
-                        started = await self._finish(entry, ask, reply, delivery)
-            if started or new or delivery.num_delivered > 1 or not entry.is_caught_up or \
+            await self._caught_up(entry)
+            started = await self._recover(entry, delivery)
+            if started or new or delivery.num_delivered > 1 or \
                     entry.decided_at != entry.state.last_seq:
-                await self._settle(entry, delivery, started)
+                if await self._settle(entry, delivery, started):
+                    # Calls left at the bound: handed back, and asked at its next delivery.
+                    await delivery.nak(delay=0.05)
+                    return
             # Else folded before a decision that found nothing due, and the state has not
-            # changed since (mostly this planner's own writes coming back): nothing can be.
+            # changed since (a redelivery, say): nothing can be.
         await delivery.ack()
+
+    async def _caught_up(self, entry: Entry) -> None:
+        """Read back now what this process wrote that did not land right after the state
+        (another event came between): nothing delivers the planner's own events back to
+        it (call with the lock)."""
+        if not entry.is_caught_up:
+            await self._states.reread(entry)
+
+    async def _recover(self, entry: Entry, delivery: Delivery) -> list[_Started]:
+        """The model calls of questions stored and never answered, started again: their
+        planner died before the answer (this delivery is the one it held, redelivered),
+        or a delivery stopped at `_STEPS_PER_DELIVERY`. Never a call still running
+        here: each handler waits for its own calls, and this one holds the lock. Their
+        `model.requested` are read from the log (it is not delivered here)."""
+        state = entry.state
+        waiting = [t for t in (state.turns[i] for i in state.open_turns)
+                   if t.message is not None and t.model_requested > len(t.steps)]
+        if not waiting:
+            return []
+        sid = state.session_id
+        asked = [s.event for s in await self._kernel.log.read_session(
+                     sid, after=min(t.seq for t in waiting) - 1,
+                     subject_filter=event_filter(sid, "model.requested"))
+                 if isinstance(s.event, ModelRequested)]
+        started: list[_Started] = []
+        for turn in waiting:
+            found = [e for e in asked if e.turn_id == turn.turn_id
+                     and e.iteration == turn.model_requested]
+            ask = self._prepare(state, found[-1]) if found else None
+            if ask is not None:
+                log.info("planner: session %s: turn %s asks the model again (iteration %d "
+                         "was never answered)", sid, turn.turn_id, turn.model_requested)
+                started.append((ask, self._start_call(ask, delivery)))
+        return started
 
     def _decide(self, state: SessionState) -> list[Append]:
         sid = state.session_id
@@ -1432,20 +1468,24 @@ class Planner:
                 f"nor an agent the policy grants tools to (policy.agents: {grants}); check "
                 "its spelling")
 
-    async def _settle(self, entry: Entry, delivery: Delivery, started: list[_Started]) -> None:
+    async def _settle(self, entry: Entry, delivery: Delivery, started: list[_Started]
+                      ) -> bool:
         """Decide and write until nothing is due, answering each `model.requested` in
-        this handler (its own delivery, coming later, finds it answered: one bus hop less
-        per model call; killed meanwhile, that delivery asks again). The model is called
-        while its `model.requested` is being stored (a call has no side effects: if the
-        store loses a race, the answer is dropped), and its answer is stored together
-        with what it makes due."""
+        this handler (killed meanwhile, the delivery it holds is redelivered and asks
+        again). The model is called while its `model.requested` is being stored (a call
+        has no side effects: if the store loses a race, the answer is dropped), and its
+        answer is stored together with what it makes due. True when it stopped at
+        `_STEPS_PER_DELIVERY`, maybe with questions stored and not answered."""
         pending: list[_Started] = []
         try:
-            for _ in range(_ANSWERS_PER_DELIVERY):
+            for _ in range(_STEPS_PER_DELIVERY):
                 if not started:
-                    started = await self._decide_and_ask(entry, delivery)
+                    decided = await self._decide_and_ask(entry, delivery)
+                    if decided is None:
+                        return False
+                    started = decided
                     if not started:
-                        return
+                        continue  # stored, asking nothing: what it makes due comes next
                 pending, started = started, []
                 while pending:
                     ask, task = pending[0]
@@ -1453,28 +1493,35 @@ class Planner:
                     if reply is not _CANCELLED:  # else its turn was cancelled meanwhile
                         started += await self._finish(entry, ask, reply, delivery)
                     pending.pop(0)
+            return True
         finally:
-            # Left to their deliveries (the limit above, or an error on the way).
+            # Asked again at the delivery's next handling (`_recover`), or, after an error
+            # on the way, at its redelivery.
             await _cancel([task for _, task in [*pending, *started]])
 
-    async def _decide_and_ask(self, entry: Entry, delivery: Delivery) -> list[_Started]:
+    async def _decide_and_ask(self, entry: Entry, delivery: Delivery
+                              ) -> list[_Started] | None:
         """One decision written (re-read and re-decided on a conflict); the model calls it
-        asks for, started as it is stored: [(ask, task)]."""
+        asks for, started as it is stored: [(ask, task)], empty when it asks none (decide
+        again: its own events are not delivered back to trigger that). None when nothing
+        is due, or nothing new (every event of the decision was stored already)."""
         for _ in range(DECIDE_ATTEMPTS):
-            if not entry.is_caught_up:
-                return []  # the writes coming back will trigger the next decision
+            await self._caught_up(entry)
             items = self._decide(entry.state)
             if not items:
                 entry.decided_at = entry.state.last_seq
-                return []
+                return None
+            before = entry.state.last_seq
             try:
-                return await self._store(entry, items, self._asks(entry.state, items),
-                                         delivery)
+                started = await self._store(entry, items, self._asks(entry.state, items),
+                                            delivery)
             except ConcurrencyError:
                 await self._states.reread(entry)
+                continue
+            return started if started or entry.state.last_seq != before else None
         log.warning("planner: session %s: gave up deciding after %d conflicts",
                     entry.state.session_id, DECIDE_ATTEMPTS)
-        return []
+        return None
 
     def _asks(self, state: SessionState, items: Sequence[Append]) -> list[_Ask]:
         """The model calls among `items` to make (see `_prepare`)."""
@@ -1674,20 +1721,19 @@ class Planner:
                                   f"the model's reply is too large to store: {exc}")
             return []
         except ConcurrencyError:
-            result = await self._kernel.log.append(item)
-            # Folded when delivered, after whatever came before it.
-            entry.written_upto = max(entry.written_upto, result.seq)
-            if not entry.is_caught_up:
-                entry.caught_up.clear()
+            # Something was stored during the call (a tool event): the answer is kept,
+            # and what it makes due decided again on the log as it is.
+            await self._kernel.log.append(item)
+            await self._states.reread(entry)
             return []
 
     async def _store(self, entry: Entry, items: list[Append], asks: list[_Ask],
                      delivery: Delivery) -> list[_Started]:
         """Write a decision (checked; `ConcurrencyError` on a conflict) with the model calls
         it asks for started beside the store, and the approval actor told what is being
-        decided inline; the calls are cancelled if the store fails, or if it did not land
-        right after this state (the deliveries answer then: a call dropped here is asked
-        again there)."""
+        decided inline; the calls are cancelled if the store fails. A decision that did
+        not land right after this state (another session's event came between) is read
+        back before its answers are stored."""
         tasks = [self._start_call(a, delivery) for a in asks]
         stored = self._storing_inline(items)
         try:
@@ -1701,9 +1747,11 @@ class Planner:
             await _cancel(tasks)
             raise
         stored(True)
-        if not entry.is_caught_up:
+        try:
+            await self._caught_up(entry)
+        except BaseException:
             await _cancel(tasks)
-            return []
+            raise
         return list(zip(asks, tasks, strict=True))
 
     def _storing_inline(self, items: Sequence[Append]) -> Callable[[bool], None]:
@@ -1724,14 +1772,12 @@ class Planner:
                             message=clip(message), outcomes=turn_outcomes(entry.state, turn))
         item = Append(failed, turn_ended_id(sid, turn.turn_id))
         try:
-            # Folded now when nothing came between, so that the `model.requested` still
-            # to be delivered finds its turn over and does not ask the model again.
             await self._states.write(entry, [item])
         except ConcurrencyError:
-            result = await self._kernel.log.append(item)
-            entry.written_upto = max(entry.written_upto, result.seq)
-            if not entry.is_caught_up:
-                entry.caught_up.clear()
+            await self._kernel.log.append(item)
+            await self._states.reread(entry)
+        else:
+            await self._caught_up(entry)
 
     def _delta_publisher(self, sid: str, asked: ModelRequested) -> _Deltas:
         """Text deltas, live and not stored: `toolbus.live.<sid>.model.delta`; `reset`

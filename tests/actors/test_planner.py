@@ -148,6 +148,35 @@ async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
     await p.stop()
 
 
+async def _quiet_planner_consumer(bus: Bus, sid: str) -> int:
+    """How many messages the planner's consumer of `sid`'s partition has delivered, once
+    it has none pending or unacknowledged (bounded)."""
+    from bus.subjects import EVENTS_STREAM, partition
+
+    durable = f"planner-p{partition(sid, bus.partitions)}"
+    async with asyncio.timeout(15):
+        while True:
+            info = await bus.js.consumer_info(EVENTS_STREAM, durable)
+            if not info.num_pending and not info.num_ack_pending:
+                return int(info.delivered.consumer_seq or 0)
+            await asyncio.sleep(0.05)  # a consumer's counters, polled
+
+
+async def test_the_planner_is_delivered_what_others_write_and_none_of_its_own_events(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    model.script = [(200, reply(calls=[("e1", "built-in__echo", {"text": "a"})])),
+                    (200, reply("Echoed."))]
+    before = await _quiet_planner_consumer(bus, sid)
+    end = await client.ask(sid, "Echo a.")
+    assert isinstance(end, TurnCompleted) and end.text == "Echoed.", end
+    # turn.requested (the session actor's) and call.succeeded (the executor's): its own
+    # two model.requested and model.responded are folded as written, never delivered.
+    assert await _quiet_planner_consumer(bus, sid) - before == 2
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    assert sum(isinstance(e, ModelResponded) for e in events) == 2
+
+
 async def test_a_turn_with_two_parallel_calls_then_an_answer(
         bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
         sid: str, nats_url: str) -> None:

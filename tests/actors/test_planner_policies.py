@@ -374,6 +374,35 @@ async def test_a_think_step_is_a_structured_call_whose_output_lands_in_the_state
     await replay_calls_no_model(bus, client, model, sid)
 
 
+async def test_a_delivery_stopped_at_its_bound_goes_on_at_its_next_delivery(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actors.planner
+
+    # One step per delivery: the think step's answer makes the chat call due, which the
+    # delivery stops before answering (handed back, the question stored). Its next
+    # delivery finds the question unanswered and asks it: nothing delivers the
+    # planner's own `model.requested` back to it.
+    monkeypatch.setattr(actors.planner, "_STEPS_PER_DELIVERY", 1)
+    rules = agent({"instructions": "You are the bank's assistant.",
+                   "think": [{"id": "intent", "instruction": "Classify what the customer "
+                              "wants.", "output_schema": INTENT}]})
+    # The chat call the bound cancelled may have reached the server: answered the same.
+    model.script = [(200, reply(json.dumps({"intent": "balance"}))),
+                    *[(200, reply("Let me look up your balance."))] * 3]
+    planner = await start(bus, system, model, rules)
+    try:
+        end = await client.ask(sid, "How much money do I have?", timeout=60)
+    finally:
+        await planner.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "Let me look up your balance."
+    events = await events_of(bus, sid)
+    answers = [(e.iteration, e.purpose) for e in events if isinstance(e, ModelResponded)]
+    assert answers == [(1, "think"), (2, "chat")]
+    assert (await settled_state(bus, client, sid)).step_outputs == {
+        "intent": {"intent": "balance"}}
+
+
 async def test_a_request_may_give_think_steps_of_its_own(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str) -> None:
