@@ -77,7 +77,7 @@ from bus.connection import Bus
 from bus.consumer import Delivery, PullLoop
 from bus.eventlog import Append, decode_stored
 from bus.partitions import PartitionOwner, member_name
-from bus.streams import ConsumerSpec, delete_consumers
+from bus.streams import ConsumerSpec, consumer_state, delete_consumers, ensure_consumer
 from bus.subjects import (
     EVENTS_STREAM,
     LIVE_PREFIX,
@@ -92,7 +92,13 @@ from schemas.defaults import (
     PARTITION_ACK_WAIT_S,
     SESSION_CACHE_SIZE,
 )
-from schemas.errors import ConcurrencyError, ConfigError, EventTooLargeError, ModelError
+from schemas.errors import (
+    BusError,
+    ConcurrencyError,
+    ConfigError,
+    EventTooLargeError,
+    ModelError,
+)
 from schemas.events import (
     CallApproved,
     CallRejected,
@@ -109,6 +115,7 @@ from schemas.events import (
     TurnCompleted,
     TurnFailed,
     TurnReevaluated,
+    TurnRequested,
     clip,
 )
 from schemas.ids import (
@@ -146,16 +153,24 @@ DEFAULT_MAX_REEVALUATIONS = 3
 DEFAULT_MAX_OUTPUT_RETRIES = 2
 EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
-# Decisions and model calls one delivery makes at most; past them it is handed back, and
-# its next delivery goes on (`_recover` asks what was left unanswered).
-_STEPS_PER_DELIVERY = 32
+# Decisions and model calls one delivery makes at most (a guard against a runaway turn,
+# far above what a turn's limits allow); past them it is handed back, and its next
+# delivery goes on (`_recover` asks what was left unanswered).
+_STEPS_PER_DELIVERY = 4096
 _PERMITS_KEPT = 4096  # (tool, agent, session) policy verdicts remembered at most
 # The events the planner decides on (each partition's consumer filters these).
 _CONSUMED = ("turn.requested", "call.succeeded", "call.failed", "call.rejected",
              "result.compressed", "turn.cancelled",
              "tool_event.injected.*")  # one subject per injected event's id
+# A consumer an earlier planner made also delivers the planner's own events, some of which
+# that version left its turns waiting for: it keeps its filter until nothing stored is
+# left undelivered, at least this long after the partition is taken (longer than a
+# planner giving the partition up takes to finish what it holds).
+_NARROW_AFTER_S = 10.0
 _NO_COMPRESSION = Compression()  # the defaults, when no compressor runs
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
+# How long a turn planned as it is stored (`early_turn`) waits for the store's outcome.
+_EARLY_WAIT_S = 60.0
 
 
 class _Deltas(Protocol):
@@ -1180,6 +1195,14 @@ def with_answer(state: SessionState, answer: ModelResponded) -> SessionState:
     return evolve(copy, answer, state.last_seq + 1)
 
 
+def with_turn(state: SessionState, requested: TurnRequested) -> SessionState:
+    """`state` as it will be once `requested` is stored right after it: a copy sharing
+    all that a new turn leaves alone."""
+    copy = msgspec.structs.replace(state, turns=dict(state.turns),
+                                   open_turns=list(state.open_turns))
+    return evolve(copy, requested, state.last_seq + 1)
+
+
 def settle_calls(state: SessionState, items: list[Append], approver: InlineApprover, *,
                  max_parallel: int, now: float) -> list[Append]:
     """`items` (decided on `state`) with the approval actor's decisions on the calls they
@@ -1267,6 +1290,15 @@ class Planner:
                                      on_release=self._give_up)
         self._partition_loops: dict[int, PullLoop] = {}
         self._kernel.log.writer = self.instance
+        # Turns started as the session actor of this process stores them (`early_turn`),
+        # by partition.
+        self._early: dict[asyncio.Task[None], int] = {}
+        self._early_of: dict[str, asyncio.Task[None]] = {}  # by session
+        # Sessions whose questions a handler here left unanswered (stopped at its bound,
+        # or by an error): their next handling asks them (`_recover`).
+        self._left: set[str] = set()
+        self._narrowing: dict[int, asyncio.Task[None]] = {}
+        self.early_turns = 0  # how many (stats and tests)
 
     @property
     def kernel(self) -> Kernel:
@@ -1288,6 +1320,8 @@ class Planner:
         await self._owner.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        for task in [*self._early, *self._narrowing.values()]:
+            await stop_task(task)  # a turn goes on at its delivery, elsewhere
         await self._owner.stop()
         await self._kernel.stop(grace)
         if self._http is not None:
@@ -1302,14 +1336,45 @@ class Planner:
         # A session of this partition still in memory is from an earlier turn at it (kept
         # then because it was being decided): it lacks what the owner since decided.
         self._states.forget_partition(part)
+        durable = f"planner-p{part}"
         subjects = tuple(type_filter(t, part) for t in _CONSUMED)
+        found = await consumer_state(self._bus, EVENTS_STREAM, durable)
+        wide = found is not None and set(found.filter_subjects) != set(subjects)
         self._partition_loops[part] = await self._kernel.attach(Inbox(
-            ConsumerSpec(EVENTS_STREAM, f"planner-p{part}", subjects,
+            ConsumerSpec(EVENTS_STREAM, durable,
+                         found.filter_subjects if found is not None and wide else subjects,
                          ack_wait_s=self._ack_wait_s),
             self._on_event, self._reject, max_in_flight=256, arrived=self._arrived))
+        if wide:
+            task = asyncio.create_task(self._narrow(part, ConsumerSpec(
+                EVENTS_STREAM, durable, subjects, ack_wait_s=self._ack_wait_s)))
+            self._narrowing[part] = task
+            task.add_done_callback(lambda _: self._narrowing.pop(part, None))
+
+    async def _narrow(self, part: int, spec: ConsumerSpec) -> None:
+        """Narrow an earlier planner's consumer of `part` to `_CONSUMED` once nothing it
+        stored is left undelivered (see `_NARROW_AFTER_S`): what was, this planner handles
+        as a wake-up of its session (`_on_event`)."""
+        await asyncio.sleep(_NARROW_AFTER_S)
+        while part in self._partition_loops:
+            try:
+                found = await consumer_state(self._bus, EVENTS_STREAM, spec.durable)
+                if found is not None and not found.pending:
+                    await ensure_consumer(self._bus, spec)
+                    log.info("planner: %s now filters the events others write only",
+                             spec.durable)
+                    return
+            except Exception as exc:  # the bus is away: tried again
+                log.debug("planner: narrowing %s: %s", spec.durable, exc)
+            await asyncio.sleep(1.0)
 
     async def _give_up(self, part: int) -> None:
         loop = self._partition_loops.pop(part, None)
+        await stop_task(self._narrowing.pop(part, None))
+        for task in [t for t, p in self._early.items() if p == part]:
+            await stop_task(task)  # its delivery goes to the partition's next owner
+        n = self._bus.partitions
+        self._left -= {s for s in self._left if partition(s, n) == part}
         if loop is not None:
             await self._kernel.detach(loop)
         self._states.forget_partition(part)
@@ -1386,6 +1451,13 @@ class Planner:
             # Maybe another planner's now (this process was stopped or starved past its
             # lease): left unacknowledged, it goes to the owner, whose state must fold it.
             return
+        early = self._early_of.get(sid)
+        if early is not None:
+            # The turn being planned as it is stored: its session is that task's to read
+            # (a new one is not in memory until it is stored), whatever the wait.
+            await asyncio.wait({early}, timeout=_EARLY_WAIT_S)  # never cancels it
+            if part not in self._partition_loops:
+                return  # given up meanwhile: the next owner has it, unacknowledged
         entry = await self._states.entry(sid, at_least=delivery.stream_seq)
         async with entry.lock:
             stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
@@ -1399,16 +1471,115 @@ class Planner:
             if isinstance(stored.event, TurnCancelled):  # folded now: see `_arrived`
                 self._folded_cancel(sid, stored.event.turn_id)
             await self._caught_up(entry)
-            started = await self._recover(entry, delivery)
+            # A question left unanswered is asked again only where its asker cannot be
+            # asking still: a redelivery (the handler that held this died, or handed it
+            # back), a session this process left so, or a `model.requested` itself (an
+            # earlier planner's consumer). Another live process may be asking it.
+            started: list[_Started] = []
+            if delivery.num_delivered > 1 or sid in self._left or \
+                    isinstance(stored.event, ModelRequested):
+                self._left.discard(sid)
+                started = await self._recover(entry)
             if started or new or delivery.num_delivered > 1 or \
                     entry.decided_at != entry.state.last_seq:
-                if await self._settle(entry, delivery, started):
+                if await self._settle(entry, started):
                     # Calls left at the bound: handed back, and asked at its next delivery.
                     await delivery.nak(delay=0.05)
                     return
             # Else folded before a decision that found nothing due, and the state has not
             # changed since (a redelivery, say): nothing can be.
         await delivery.ack()
+
+    def early_turn(self, state: SessionState, event: TurnRequested
+                   ) -> Callable[[int | None], None] | None:
+        """A planner turn the session actor of this process is storing right after
+        `state`: planned now, its model called while `turn.requested` is stored, instead
+        of once the stream delivers it here (a round trip of the bus, and this process's
+        event loop, later). Returns what to call with the event's stream sequence once
+        stored (None if it was not), or None when the turn is left to its delivery: a
+        session this planner does not hold folded up to `state`, a partition it does not
+        hold, a cluster (where a read can be behind). The delivery still comes and is
+        kept unacknowledged while this runs: if the process dies, it is redelivered."""
+        sid = event.session_id
+        if event.message is None or self._kernel.log.replicated or self._http is None:
+            return None
+        part = partition(sid, self._bus.partitions)
+        if part not in self._partition_loops or not self._owner.holds(part):
+            return None
+        entry = self._states.peek(sid)
+        provisional = None
+        if entry is None:
+            if state.last_seq != 0:
+                return None  # not in memory: read when delivered, as ever
+            entry = provisional = self._states.assume_new(sid)
+            if entry is None:
+                return None
+        elif entry.lock.locked() or not entry.is_caught_up or \
+                entry.state.last_seq != state.last_seq:
+            return None
+        stored: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._early_turn(entry, event, state.last_seq, stored,
+                                                    provisional is not None))
+        self._early[task] = part
+        self._early_of[sid] = task
+
+        def forget(t: asyncio.Task[None]) -> None:
+            self._early.pop(t, None)
+            if self._early_of.get(sid) is t:
+                del self._early_of[sid]
+
+        task.add_done_callback(forget)
+        if provisional is not None:  # even if cancelled before it ran
+            task.add_done_callback(lambda _: self._states.abandon(provisional))
+
+        def done(seq: int | None) -> None:
+            if not stored.done():
+                stored.set_result(seq)
+
+        return done
+
+    async def _early_turn(self, entry: Entry, event: TurnRequested, after: int,
+                          stored: asyncio.Future[int | None], provisional: bool) -> None:
+        sid = event.session_id
+        tasks: list[asyncio.Task[ModelResponse | ModelError | None]] = []
+        try:
+            async with entry.lock:
+                if entry.state.last_seq != after:
+                    return
+                # Decided on the state as it will be once the turn is stored (a copy),
+                # the model called now.
+                planned = with_turn(entry.state, event)
+                items = self._decide(planned)
+                asks = self._asks(planned, items)
+                tasks = [self._start_call(a) for a in asks]
+                async with asyncio.timeout(_EARLY_WAIT_S):
+                    seq = await stored
+                if seq is None or entry.state.last_seq != after:
+                    return  # not stored (or something else was folded): its delivery
+                self._states.fold(entry, seq, event)
+                if provisional:
+                    self._states.adopt(entry)
+                    provisional = False
+                    if self._states.peek(sid) is not entry:
+                        return  # its delivery came first and read the session itself
+                if [i.msg_id for i in self._decide(entry.state)] != \
+                        [i.msg_id for i in items]:
+                    return  # it decides otherwise once stored: left to the delivery
+                self.early_turns += 1
+                try:
+                    started = await self._store(entry, items, asks, tasks)
+                except ConcurrencyError:
+                    await self._states.reread(entry)
+                    started = []
+                tasks = []  # `_store` owns them now
+                # Stopped at its bound, the turn goes on at the delivery (`_recover`).
+                await self._settle(entry, started)
+        except Exception as exc:  # its delivery decides again, or fails it as the kernel does
+            self._left.add(sid)  # a question it stored may be unanswered
+            log.warning("planner: session %s: planning turn %s as it was stored failed: "
+                        "%s; its delivery plans it", sid, event.turn_id, exc)
+        finally:
+            await _cancel(tasks)
 
     async def _caught_up(self, entry: Entry) -> None:
         """Read back now what this process wrote that did not land right after the state
@@ -1417,31 +1588,49 @@ class Planner:
         if not entry.is_caught_up:
             await self._states.reread(entry)
 
-    async def _recover(self, entry: Entry, delivery: Delivery) -> list[_Started]:
+    async def _recover(self, entry: Entry, *, only_ours: bool = False) -> list[_Started]:
         """The model calls of questions stored and never answered, started again: their
         planner died before the answer (this delivery is the one it held, redelivered),
         or a delivery stopped at `_STEPS_PER_DELIVERY`. Never a call still running
         here: each handler waits for its own calls, and this one holds the lock. Their
-        `model.requested` are read from the log (it is not delivered here)."""
+        `model.requested` are read from the log (it is not delivered here). With
+        `only_ours`, only those this process wrote."""
         state = entry.state
         waiting = [t for t in (state.turns[i] for i in state.open_turns)
                    if t.message is not None and t.model_requested > len(t.steps)]
         if not waiting:
             return []
         sid = state.session_id
-        asked = [s.event for s in await self._kernel.log.read_session(
-                     sid, after=min(t.seq for t in waiting) - 1,
-                     subject_filter=event_filter(sid, "model.requested"))
-                 if isinstance(s.event, ModelRequested)]
+        log_ = self._kernel.log
+        # Mostly the session's last question (from the stream's leader), else its turns'.
+        last = await log_.last_of_type(sid, "model.requested")
+        asked = [last[0].event] if last is not None and isinstance(last[0].event,
+                                                                   ModelRequested) else []
+        if only_ours:
+            if len(waiting) > 1 or last is None or last[1] != self.instance:
+                return []  # another's to ask (or its redelivery's, here)
+        elif len(waiting) > 1 or not asked or asked[0].turn_id != waiting[0].turn_id or \
+                asked[0].iteration != waiting[0].model_requested:
+            asked += [s.event for s in await log_.read_session(
+                          sid, after=min(t.seq for t in waiting) - 1,
+                          subject_filter=event_filter(sid, "model.requested"))
+                      if isinstance(s.event, ModelRequested)]
         started: list[_Started] = []
         for turn in waiting:
             found = [e for e in asked if e.turn_id == turn.turn_id
                      and e.iteration == turn.model_requested]
-            ask = self._prepare(state, found[-1]) if found else None
+            if not found and only_ours:
+                return []
+            if not found:
+                await _cancel([task for _, task in started])
+                # Passing: delivered again after a backoff, and failed clearly at the end.
+                raise BusError(f"session {sid}: the model.requested of turn {turn.turn_id} "
+                               f"(iteration {turn.model_requested}) could not be read back")
+            ask = self._prepare(state, found[-1])
             if ask is not None:
                 log.info("planner: session %s: turn %s asks the model again (iteration %d "
                          "was never answered)", sid, turn.turn_id, turn.model_requested)
-                started.append((ask, self._start_call(ask, delivery)))
+                started.append((ask, self._start_call(ask)))
         return started
 
     def _decide(self, state: SessionState) -> list[Append]:
@@ -1468,8 +1657,7 @@ class Planner:
                 f"nor an agent the policy grants tools to (policy.agents: {grants}); check "
                 "its spelling")
 
-    async def _settle(self, entry: Entry, delivery: Delivery, started: list[_Started]
-                      ) -> bool:
+    async def _settle(self, entry: Entry, started: list[_Started]) -> bool:
         """Decide and write until nothing is due, answering each `model.requested` in
         this handler (killed meanwhile, the delivery it holds is redelivered and asks
         again). The model is called while its `model.requested` is being stored (a call
@@ -1480,9 +1668,15 @@ class Planner:
         try:
             for _ in range(_STEPS_PER_DELIVERY):
                 if not started:
-                    decided = await self._decide_and_ask(entry, delivery)
+                    decided = await self._decide_and_ask(entry)
                     if decided is None:
-                        return False
+                        # Nothing due, but maybe a question of this process's own left
+                        # unanswered: stored by a write whose acknowledgement was lost
+                        # (its retry then conflicted with itself), or by a decision a
+                        # conflict cut short. Nobody else would ask it.
+                        decided = await self._recover(entry, only_ours=True)
+                        if not decided:
+                            return False
                     started = decided
                     if not started:
                         continue  # stored, asking nothing: what it makes due comes next
@@ -1491,16 +1685,16 @@ class Planner:
                     ask, task = pending[0]
                     reply = await _reply_of(task)
                     if reply is not _CANCELLED:  # else its turn was cancelled meanwhile
-                        started += await self._finish(entry, ask, reply, delivery)
+                        started += await self._finish(entry, ask, reply)
                     pending.pop(0)
             return True
         finally:
-            # Asked again at the delivery's next handling (`_recover`), or, after an error
-            # on the way, at its redelivery.
-            await _cancel([task for _, task in [*pending, *started]])
+            left = [task for _, task in [*pending, *started]]
+            if left:  # asked again at the session's next handling (`_recover`)
+                self._left.add(entry.state.session_id)
+                await _cancel(left)
 
-    async def _decide_and_ask(self, entry: Entry, delivery: Delivery
-                              ) -> list[_Started] | None:
+    async def _decide_and_ask(self, entry: Entry) -> list[_Started] | None:
         """One decision written (re-read and re-decided on a conflict); the model calls it
         asks for, started as it is stored: [(ask, task)], empty when it asks none (decide
         again: its own events are not delivered back to trigger that). None when nothing
@@ -1513,8 +1707,7 @@ class Planner:
                 return None
             before = entry.state.last_seq
             try:
-                started = await self._store(entry, items, self._asks(entry.state, items),
-                                            delivery)
+                started = await self._store(entry, items, self._asks(entry.state, items))
             except ConcurrencyError:
                 await self._states.reread(entry)
                 continue
@@ -1582,12 +1775,11 @@ class Planner:
                     tools=tools, schema=schema, validator=validator, publish=publish,
                     base=base, wire=self._history.wire(sid))
 
-    def _start_call(self, ask: _Ask, delivery: Delivery
-                    ) -> asyncio.Task[ModelResponse | ModelError | None]:
+    def _start_call(self, ask: _Ask) -> asyncio.Task[ModelResponse | ModelError | None]:
         """`_call` as a task, which a `turn.cancelled` of its turn cancels (`_cancelled`):
         a turn superseded while its model thinks (retrying a slow provider, perhaps for
         minutes) must not hold up the turn that replaced it."""
-        task = asyncio.create_task(self._call(ask, delivery))
+        task = asyncio.create_task(self._call(ask))
         sid, turn_id = ask.asked.session_id, ask.asked.turn_id
         calls = self._in_flight.setdefault(sid, {})
         calls[task] = turn_id
@@ -1624,34 +1816,32 @@ class Planner:
             if not waiting:
                 del self._cancelling[sid]
 
-    async def _call(self, ask: _Ask, delivery: Delivery) -> ModelResponse | ModelError | None:
+    async def _call(self, ask: _Ask) -> ModelResponse | ModelError | None:
         """The model's reply to `ask`, or the `ModelError` that ended it (returned); None
-        when there is nothing to call (`ask.failure`)."""
+        when there is nothing to call (`ask.failure`). The message being handled is kept
+        from redelivery meanwhile by its pull loop (in-progress acks of every message a
+        session's handler holds or has waiting)."""
         if ask.failure is not None:
             return None
-        keep_alive = asyncio.create_task(self._keep_alive(delivery))
-        try:
-            for attempt in range(1, _WHOLE_CALL_ATTEMPTS + 1):
-                try:
-                    return await complete(ask.settings, system=ask.system,
-                                          messages=ask.messages, tools=ask.tools,
-                                          response_schema=ask.schema, on_delta=ask.publish,
-                                          client=self._http, memo=ask.wire)
-                except ModelError as exc:
-                    if not exc.partial or attempt == _WHOLE_CALL_ATTEMPTS:
-                        return exc
-                    # The stream broke after some text: the call is made again whole,
-                    # and watchers are told to drop what they showed of this iteration.
-                    log.warning("planner: session %s: %s; asking again",
-                                ask.asked.session_id, exc)
-                    if ask.publish is not None:
-                        await ask.publish("", reset=True)
-            raise AssertionError("unreachable")
-        finally:
-            await stop_task(keep_alive)
+        for attempt in range(1, _WHOLE_CALL_ATTEMPTS + 1):
+            try:
+                return await complete(ask.settings, system=ask.system,
+                                      messages=ask.messages, tools=ask.tools,
+                                      response_schema=ask.schema, on_delta=ask.publish,
+                                      client=self._http, memo=ask.wire)
+            except ModelError as exc:
+                if not exc.partial or attempt == _WHOLE_CALL_ATTEMPTS:
+                    return exc
+                # The stream broke after some text: the call is made again whole, and
+                # watchers are told to drop what they showed of this iteration.
+                log.warning("planner: session %s: %s; asking again",
+                            ask.asked.session_id, exc)
+                if ask.publish is not None:
+                    await ask.publish("", reset=True)
+        raise AssertionError("unreachable")
 
-    async def _finish(self, entry: Entry, ask: _Ask, reply: ModelResponse | ModelError | None,
-                      delivery: Delivery) -> list[_Started]:
+    async def _finish(self, entry: Entry, ask: _Ask, reply: ModelResponse | ModelError | None
+                      ) -> list[_Started]:
         """Store the model's answer (or end the turn with its error) together with what it
         makes due, and start the model calls that asks for."""
         asked, rules = ask.asked, ask.rules
@@ -1712,7 +1902,7 @@ class Planner:
         try:
             # Checked, so that it is folded now only if nothing was stored meanwhile (a
             # tool event injected during the model call must not be skipped over).
-            return await self._store(entry, [item, *follow], asks, delivery)
+            return await self._store(entry, [item, *follow], asks)
         except EventTooLargeError as exc:
             # A reply under the transport's limit can still be too large for an event
             # (a long text, many or large calls): nothing of it was stored (each event is
@@ -1728,25 +1918,32 @@ class Planner:
             return []
 
     async def _store(self, entry: Entry, items: list[Append], asks: list[_Ask],
-                     delivery: Delivery) -> list[_Started]:
+                     started: Sequence[asyncio.Task[ModelResponse | ModelError | None]] = ()
+                     ) -> list[_Started]:
         """Write a decision (checked; `ConcurrencyError` on a conflict) with the model calls
         it asks for started beside the store, and the approval actor told what is being
         decided inline; the calls are cancelled if the store fails. A decision that did
         not land right after this state (another session's event came between) is read
         back before its answers are stored."""
-        tasks = [self._start_call(a, delivery) for a in asks]
+        tasks = list(started) or [self._start_call(a) for a in asks]
         stored = self._storing_inline(items)
         try:
-            if tasks:
+            if tasks and not started:
                 # The model calls go out before the store: the model's round trip is the
                 # longer of the two.
                 await asyncio.sleep(0)
-            await self._states.write(entry, items)
+            results = await self._states.write(entry, items)
         except BaseException:
             stored(False)
             await _cancel(tasks)
             raise
         stored(True)
+        if results[0].duplicate:
+            # Stored already: another planner decided the same (two of them held the
+            # partition for a moment). Its calls are its own to make and answer.
+            await _cancel(tasks)
+            await self._states.reread(entry)
+            return []
         try:
             await self._caught_up(entry)
         except BaseException:
@@ -1792,12 +1989,6 @@ class Planner:
             await nc.publish(subject, body)
 
         return publish
-
-    async def _keep_alive(self, delivery: Delivery) -> None:
-        while True:
-            await asyncio.sleep(max(self._ack_wait_s / 3, 0.05))
-            with contextlib.suppress(Exception):
-                await delivery.in_progress()
 
 
 __all__ = ["ACTOR", "EMIT_OUTPUT", "REASON", "Offer", "Planner", "Rules", "decide",

@@ -143,6 +143,19 @@ ACTOR = "session"
 InlineApprover = Callable[[CallRequested], "CallApproved | CallRejected | None"]
 
 
+class EarlyTurn(Protocol):
+    """The planner of this process, told of a planner turn as it is stored (see
+    `Planner.early_turn`): returns what to call with its stream sequence once stored, or
+    None if it was not; or None when it leaves the turn to its delivery."""
+
+    def __call__(self, state: SessionState, event: TurnRequested
+                 ) -> Callable[[int | None], None] | None: ...
+
+
+def _not_planned(seq: int | None) -> None:
+    pass
+
+
 class InlineApproval(Protocol):
     """The approval actor of this process, asked directly (see `accept_request`)."""
 
@@ -488,6 +501,9 @@ class SessionActor:
                                      snapshot_every=SNAPSHOT_EVERY)
         self._max_parallel = max_parallel
         self._approval = approval
+        # The planner of this process, if any: a turn it plans is handed to it as it is
+        # stored, not one delivery later (set by whoever runs both).
+        self.early_turn: EarlyTurn | None = None
         # Sessions whose last event so far said more of its decision follows: decided
         # anyway if nothing comes within `_MORE_WAIT_S` (its writer failed half way). Their
         # deliveries are held, not acked, until a decision is taken after them: killed
@@ -730,6 +746,7 @@ class SessionActor:
                         provisional = None
                         entry = await self._states.entry(sid)
                         continue
+                    planned = self._plan_early(entry.state, items)
                     try:
                         results = await self._states.write(entry, items)
                         if entry is provisional and results[0].duplicate:
@@ -737,6 +754,7 @@ class SessionActor:
                             # before the check): not new, whatever the check said.
                             raise ConcurrencyError(subject, 0, "a repeated first event")
                     except ConcurrencyError:
+                        planned(None)
                         if entry is provisional:  # the session has a past after all
                             self._states.abandon(provisional)
                             provisional = None
@@ -744,6 +762,10 @@ class SessionActor:
                         else:
                             await self._states.reread(entry)
                         continue
+                    except BaseException:
+                        planned(None)
+                        raise
+                    planned(None if results[0].duplicate else results[0].seq)
                     if entry is provisional:
                         self._states.adopt(entry)
                         provisional = None
@@ -763,6 +785,21 @@ class SessionActor:
             if provisional is not None:  # not written (an error, a cancellation)
                 self._states.abandon(provisional)
         await delivery.ack()
+
+    def _plan_early(self, state: SessionState, items: Sequence[Append]
+                    ) -> Callable[[int | None], None]:
+        """The planner of this process told of a decision that is a planner turn alone."""
+        if self.early_turn is None or len(items) != 1:
+            return _not_planned
+        event = items[0].event
+        if not isinstance(event, TurnRequested) or event.message is None:
+            return _not_planned
+        try:
+            return self.early_turn(state, event) or _not_planned
+        except Exception:  # a shortcut only: the delivery plans the turn
+            log.exception("session %s: handing turn %s to the planner failed",
+                          state.session_id, event.turn_id)
+            return _not_planned
 
     async def _on_tool_event(self, delivery: Delivery, sid: str) -> None:
         if sid == SYSTEM_SESSION:

@@ -179,13 +179,18 @@ class PullLoop:
         self._wake.set()
         if self._runner is not None:
             await self._runner
-        await stop_task(self._keeper)
-        if self._tasks:
-            _, late = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late, timeout=grace)
+        try:
+            if self._tasks:
+                _, late = await asyncio.wait(set(self._tasks), timeout=grace)
+                for task in late:
+                    task.cancel()
+                if late:
+                    await asyncio.wait(late, timeout=grace)
+        finally:
+            # Only now: the messages in hand are kept from redelivery while they finish
+            # (a grace longer than the ack wait would otherwise hand them to another
+            # process, which would do their work again).
+            await stop_task(self._keeper)
 
     async def _run(self) -> None:
         nc = self._bus.nc

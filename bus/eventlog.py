@@ -446,6 +446,20 @@ class EventLog:
             return 0
         return int(msg.seq or 0)
 
+    async def last_of_type(self, session_id: str, event_type: str
+                           ) -> tuple[StoredEvent, str | None] | None:
+        """The session's last event of one type and who wrote it (`Toolbus-Writer`),
+        asked of the stream's leader (a direct get may be answered by a replica that is
+        behind), None if it has none."""
+        try:
+            msg = await self._bus.js.get_last_msg(EVENTS_STREAM,
+                                                  event_filter(session_id, event_type))
+        except nats.js.errors.NotFoundError:
+            return None
+        writer = (msg.headers or {}).get(Header.WRITER.value)
+        return (decode_stored(int(msg.seq or 0), msg.subject or "", msg.data or b""),
+                writer if isinstance(writer, str) else None)
+
     async def read_from_leader(self, session_id: str, *, after: int,
                                until: int) -> list[StoredEvent]:
         """The session's events after `after` up to `until`, asked of the stream's leader

@@ -303,6 +303,26 @@ async def executor_backlogs(bus: Bus) -> list[Backlog]:
         offset += len(page)
 
 
+@dataclass(frozen=True, slots=True)
+class ConsumerState:
+    """What a durable consumer filters, and how many of its messages are not delivered."""
+
+    filter_subjects: tuple[str, ...]
+    pending: int
+
+
+async def consumer_state(bus: Bus, stream: str, durable: str) -> ConsumerState | None:
+    """The consumer's filter and undelivered count, None if it does not exist."""
+    try:
+        info = await bus.js.consumer_info(stream, durable)
+    except nats.js.errors.NotFoundError:
+        return None
+    config = info.config
+    filters = tuple(config.filter_subjects or ()) or (
+        (config.filter_subject,) if config.filter_subject else ())
+    return ConsumerState(filters, int(info.num_pending or 0))
+
+
 async def delete_consumers(bus: Bus, stream: str, names: tuple[str, ...]) -> None:
     """Delete these durable consumers of `stream` where they exist (a layout retired)."""
     for name in names:

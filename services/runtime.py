@@ -188,6 +188,8 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
                 # A session new to the planner is copied from the session actor's state,
                 # which just stored its turn, instead of read from the bus again.
                 group.planner.states.peer = session.states
+                # And a turn it plans is handed to it as the session actor stores it.
+                session.early_turn = group.planner.early_turn
         await session.start()
         started.append(session)
     return started

@@ -39,6 +39,7 @@ from schemas.events import (
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
+    TurnRequested,
 )
 from schemas.tools import ToolSpec
 from tests.conftest import REPO, EventWatch, Proc, settled_state
@@ -144,7 +145,10 @@ async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
     p = Planner(bus, system["catalog"], settings, instructions="Be brief.",
                 tools=lambda spec: spec.name.startswith("built-in:"))
     await p.start()
+    # As `toolbus up` wires them: a turn is planned as the session actor stores it.
+    system["session"].early_turn = p.early_turn
     yield p
+    system["session"].early_turn = None
     await p.stop()
 
 
@@ -175,6 +179,173 @@ async def test_the_planner_is_delivered_what_others_write_and_none_of_its_own_ev
     assert await _quiet_planner_consumer(bus, sid) - before == 2
     events = [s.event for s in await EventLog(bus).read_session(sid)]
     assert sum(isinstance(e, ModelResponded) for e in events) == 2
+
+
+async def test_a_turn_is_planned_as_the_session_actor_of_its_process_stores_it(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    model.script = [(200, reply("Hello."))]
+    before = planner.early_turns
+    end = await client.ask(sid, "Hi.")
+    assert isinstance(end, TurnCompleted) and end.text == "Hello.", end
+    # Planned from the session actor's hand, not from the stream's delivery one hop
+    # later (which came too, and found the turn planned).
+    assert planner.early_turns == before + 1
+
+
+async def test_a_turn_planned_as_it_is_stored_leaves_nothing_when_the_store_fails(
+        bus: Bus, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    from schemas.state import SessionState
+
+    model.script = [(200, reply("Never stored."), 30)]
+    model.asked.clear()
+    stored = planner.early_turn(SessionState(session_id=sid), TurnRequested(
+        session_id=sid, at=0, actor="session", turn_id="t-1", request_id="r-1",
+        call_ids=[], message="Hi."))
+    assert stored is not None
+    await asyncio.wait_for(model.asked.wait(), 10)  # asked while the turn is stored
+    stored(None)  # it was not stored after all (a conflict, a bus error)
+    async with asyncio.timeout(10):
+        while planner._early:  # noqa: ASYNC110 - the planner's own tasks, polled
+            await asyncio.sleep(0.01)
+    assert await EventLog(bus).read_session(sid) == []
+    assert planner.states.peek(sid) is None  # nothing of the turn kept
+    model.script.clear()
+
+
+async def test_a_question_whose_acknowledgement_was_lost_is_still_asked(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    # The question is stored but its ack lost: the append's retry then conflicts with
+    # the question itself. Nobody else would ask it: this planner does.
+    pub = planner.kernel.log._pub
+    real_wait = pub.wait
+    dropped: list[str] = []
+
+    async def wait(subject: str, sent: Any, timeout: float) -> Any:
+        ack = await real_wait(subject, sent, timeout)
+        if subject.endswith(".model.requested") and not dropped:
+            dropped.append(subject)
+            raise TimeoutError  # stored, and its acknowledgement lost
+        return ack
+
+    pub.wait = wait  # type: ignore[method-assign]
+    # The call cut short by the conflict may have reached the server: answered the same.
+    model.script = [(200, reply("Hello."), 0.2)] * 3
+    try:
+        end = await client.ask(sid, "Hi.", timeout=30)
+    finally:
+        pub.wait = real_wait  # type: ignore[method-assign]
+        model.script.clear()
+    assert dropped
+    assert isinstance(end, TurnCompleted) and end.text == "Hello.", end
+    events = [s.event for s in await EventLog(planner.kernel.bus).read_session(sid)]
+    assert [e.iteration for e in events if isinstance(e, ModelResponded)] == [1]
+
+
+async def test_a_turn_stored_slowly_is_planned_once_by_the_planner_of_its_process(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
+        system: dict[str, Any]) -> None:
+    # The session actor learns late that the turn is stored (a busy event loop): the
+    # delivery, come meanwhile, waits for the turn being planned instead of planning it
+    # again from the bus.
+    states = system["session"].states
+    real = states.write
+
+    async def slow(entry: Any, items: Any) -> Any:
+        results = await real(entry, items)
+        if isinstance(items[0].event, TurnRequested):
+            await asyncio.sleep(1.5)
+        return results
+
+    states.write = slow
+    model.script = [(200, reply("Hello."), 0.3), (200, reply("Hello again."), 0.3)]
+    model.received.clear()
+    before = planner.early_turns
+    try:
+        end = await client.ask(sid, "Hi.", timeout=15)
+    finally:
+        states.write = real
+        model.script.clear()
+    assert isinstance(end, TurnCompleted) and end.text == "Hello.", end
+    assert len(model.received) == 1 and planner.early_turns == before + 1
+
+
+async def test_a_turn_being_planned_as_it_is_stored_stops_with_its_partition(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
+        bus: Bus) -> None:
+    from bus.subjects import partition
+
+    model.script = [(200, reply("Hello."), 8.0), (200, reply("Hello, again."))]
+    model.asked.clear()
+    asking = asyncio.create_task(client.ask(sid, "Hi.", timeout=30))
+    await asyncio.wait_for(model.asked.wait(), 10)
+    part = partition(sid, bus.partitions)
+    await planner._give_up(part)  # the lease lost (a slow renewal), or given up
+    assert not planner._early  # its model call with it: the next owner asks again
+    await planner._take(part)
+    end = await asyncio.wait_for(asking, 30)
+    assert isinstance(end, TurnCompleted) and end.text == "Hello, again.", end
+
+
+_EARLIER_CONSUMED = ("turn.requested", "model.requested", "model.responded",
+                     "policies.matched", "turn.reevaluated", "output.emitted",
+                     "output.rejected", "call.succeeded", "call.failed", "call.rejected",
+                     "result.compressed", "turn.cancelled", "tool_event.injected.*")
+
+
+@pytest.mark.parametrize("delivered", [False, True])
+async def test_a_turn_an_earlier_planner_left_to_its_own_event_ends_after_an_upgrade(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, delivered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actors.planner
+    from bus.eventlog import Append, decode_stored
+    from bus.streams import ConsumerSpec, consumer_state, ensure_consumer
+    from bus.subjects import EVENTS_STREAM, partition, type_filter
+    from schemas.ids import model_requested_id
+
+    monkeypatch.setattr(actors.planner, "_NARROW_AFTER_S", 0.2)
+    part = partition(sid, bus.partitions)
+    durable = f"planner-p{part}"
+    # The partition's consumer as a planner before this version made it: it delivered
+    # the planner's own events too, and that planner left turns waiting for them.
+    # (Changed in place: a consumer made anew would deliver the stream from its start.)
+    await ensure_consumer(bus, ConsumerSpec(
+        EVENTS_STREAM, durable, tuple(type_filter(t, part) for t in _EARLIER_CONSUMED),
+        ack_wait_s=1.0))
+    earlier = await bus.js.pull_subscribe_bind(durable=durable, stream=EVENTS_STREAM)
+    model.script = [(200, reply("Hello."))]
+    asking = asyncio.create_task(client.ask(sid, "Hi", timeout=30))
+    # That planner stores the question, leaves it to its delivery, and is upgraded.
+    (msg,) = await earlier.fetch(1, timeout=10)
+    requested = decode_stored(msg.metadata.sequence.stream, msg.subject, msg.data).event
+    assert isinstance(requested, TurnRequested)
+    await EventLog(bus).append(Append(ModelRequested(
+        session_id=sid, at=time.time(), actor="planner", turn_id=requested.turn_id,
+        iteration=1, provider="openai", model="scripted", tools=0, tools_digest=""),
+        model_requested_id(sid, requested.turn_id, 1)))
+    await msg.ack_sync()
+    if delivered:  # it took the question's delivery too, and was stopped asking it
+        (got,) = await earlier.fetch(1, timeout=10)
+        assert got.subject.endswith(".model.requested")
+    await earlier.unsubscribe()
+    settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
+                             base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
+    upgraded = Planner(bus, system["catalog"], settings, instructions="Be brief.",
+                       tools=lambda spec: spec.name.startswith("built-in:"),
+                       ack_wait_s=1.0)
+    await upgraded.start()
+    try:
+        end = await asyncio.wait_for(asking, 30)
+        assert isinstance(end, TurnCompleted) and end.text == "Hello.", end
+        # Nothing of the earlier filter left undelivered: narrowed to what others write.
+        narrow = {type_filter(t, part) for t in actors.planner._CONSUMED}
+        async with asyncio.timeout(15):
+            while True:
+                found = await consumer_state(bus, EVENTS_STREAM, durable)
+                if found is not None and set(found.filter_subjects) == narrow:
+                    break
+                await asyncio.sleep(0.05)  # a consumer's configuration, polled
+    finally:
+        await upgraded.stop()
 
 
 async def test_a_turn_with_two_parallel_calls_then_an_answer(
