@@ -209,7 +209,7 @@ class ApprovalActor:
         self._kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, "approval", (type_filter("call.requested"),),
                          ack_wait_s=ACK_WAIT_S * 10),
-            self._on_requested, self._reject, ordered=False))
+            self._on_requested, self._reject, ordered=False, yields=True))
         self._rpc = Responder(bus, f"{APPROVAL_PREFIX}.*.*.*", self._on_decision,
                               queue="approval")
         self._sweeper: asyncio.Task[None] | None = None

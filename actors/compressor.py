@@ -161,7 +161,7 @@ class Compressor:
         self._kernel.add(Inbox(
             ConsumerSpec(EVENTS_STREAM, "compressor", (type_filter("call.succeeded"),),
                          ack_wait_s=ack_wait_s),
-            self._on_succeeded, self._reject, max_in_flight=64))
+            self._on_succeeded, self._reject, max_in_flight=64, yields=True))
 
     @property
     def kernel(self) -> Kernel:

@@ -570,7 +570,7 @@ class SessionActor:
             await self._kernel.attach(Inbox(
                 ConsumerSpec(EVENTS_STREAM, f"session-events-p{part}",
                              (partition_filter(part),), ack_wait_s=PARTITION_ACK_WAIT_S),
-                self._on_event, self._reject_event, max_in_flight=512)),
+                self._on_event, self._reject_event, max_in_flight=512, yields=True)),
             await self._kernel.attach(Inbox(
                 ConsumerSpec(REQUESTS_STREAM, f"session-requests-p{part}",
                              (requests_filter(part),), ack_wait_s=PARTITION_ACK_WAIT_S),
