@@ -548,3 +548,32 @@ async def test_a_message_whose_handler_never_finishes_is_rejected_after_redelive
     finally:
         await kernel.stop()
         await bus.js.delete_consumer(EVENTS_STREAM, durable)
+
+
+class _NoMsg:
+    headers = None  # all `Kernel._deliver` reads of a message besides the Delivery
+
+
+async def _order_of(bus: Bus, *, yields: bool) -> list[str]:
+    """What runs first: the handler of a delivery, or what was ready on the event loop
+    when it came (a model call another actor of the process had just started)."""
+    order: list[str] = []
+
+    async def handle(delivery: Delivery) -> None:
+        order.append("handled")
+
+    kernel = Kernel(bus, "test")
+    inbox = Inbox(ConsumerSpec(EVENTS_STREAM, "unused", ("x",)), handle,
+                  lambda d, r, m: [], yields=yields)
+    asyncio.get_running_loop().call_soon(order.append, "ready before")
+    delivery = Delivery(subject="toolbus.evt.s.0.call.succeeded", data=b"{}", stream_seq=1,
+                        num_delivered=1, timestamp_ns=0, _msg=_NoMsg())  # type: ignore[arg-type]
+    await kernel._deliver(inbox, delivery)
+    await asyncio.sleep(0)
+    return order
+
+
+async def test_a_delivery_off_the_critical_path_lets_what_is_ready_run_first(
+        bus: Bus) -> None:
+    assert await _order_of(bus, yields=True) == ["ready before", "handled"]
+    assert await _order_of(bus, yields=False) == ["handled", "ready before"]
