@@ -336,12 +336,17 @@ INTENT = {"type": "object", "additionalProperties": False, "required": ["intent"
           "properties": {"intent": {"enum": ["balance", "transfer", "other"]}}}
 
 
+def classifying_agent() -> Rules:
+    """The bank's assistant with one think step: classify what the customer wants."""
+    return agent({"instructions": "You are the bank's assistant.",
+                  "think": [{"id": "intent", "instruction": "Classify what the customer "
+                             "wants.", "output_schema": INTENT}]})
+
+
 async def test_a_think_step_is_a_structured_call_whose_output_lands_in_the_state(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str) -> None:
-    rules = agent({"instructions": "You are the bank's assistant.",
-                   "think": [{"id": "intent", "instruction": "Classify what the customer "
-                              "wants.", "output_schema": INTENT}]})
+    rules = classifying_agent()
     model.script = [
         (200, reply(json.dumps({"intent": "balanc"}))),  # breaks the schema
         (200, reply(json.dumps({"intent": "balance"}))),
@@ -384,9 +389,7 @@ async def test_a_delivery_stopped_at_its_bound_goes_on_at_its_next_delivery(
     # delivery finds the question unanswered and asks it: nothing delivers the
     # planner's own `model.requested` back to it.
     monkeypatch.setattr(actors.planner, "_STEPS_PER_DELIVERY", 1)
-    rules = agent({"instructions": "You are the bank's assistant.",
-                   "think": [{"id": "intent", "instruction": "Classify what the customer "
-                              "wants.", "output_schema": INTENT}]})
+    rules = classifying_agent()
     # The chat call the bound cancelled may have reached the server: answered the same.
     model.script = [(200, reply(json.dumps({"intent": "balance"}))),
                     *[(200, reply("Let me look up your balance."))] * 3]
