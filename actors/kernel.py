@@ -336,6 +336,10 @@ class Entry:
     # was loaded or rebuilt); while the state is still there, a delivery of an event
     # folded before it can make nothing new due (the planner's own writes coming back).
     decided_at: int = -1
+    # An event of the session was handed back unfolded (whether this process still owned
+    # its partition was in doubt): the events after it are folded only once the log has
+    # been read again, that one included (`rebuild`), not in its place until it comes back.
+    behind: bool = False
 
     @property
     def is_caught_up(self) -> bool:
@@ -480,7 +484,7 @@ class SessionStates:
         if found is None and waiting is not None:
             await asyncio.wait({waiting}, timeout=_PEER_WAIT_S)
             found = peer.peek(sid)
-        if found is None or found.state.last_seq < at_least:
+        if found is None or found.behind or found.state.last_seq < at_least:
             return None
         return Entry(decode_state(encode_state(found.state)))
 
@@ -514,6 +518,14 @@ class SessionStates:
         """`forget` the sessions of partition `part`."""
         n = self._bus.partitions
         self.forget(lambda sid: partition(sid, n) != part)
+
+    def handed_back(self, sid: str) -> None:
+        """An event of `sid` was left unacknowledged unfolded, to come again after its
+        ack wait: the state in memory, if any, is `behind` until the log is read again.
+        (One cold-loaded meanwhile reads the log, that event included.)"""
+        entry = self._cache.get(sid)
+        if entry is not None:
+            entry.behind = True
 
     def peek(self, sid: str) -> Entry | None:
         """The cached entry, if the session is in memory."""
@@ -616,6 +628,7 @@ class SessionStates:
                 entry.caught_up.set()
                 entry.settled = False
                 entry.decided_at = -1
+                entry.behind = False
                 return True
             await asyncio.sleep(0.05)
         log.warning("session %s: could not re-read its log up to seq %d", sid,

@@ -1449,7 +1449,9 @@ class Planner:
         part = partition(sid, self._bus.partitions)
         if not self._owner.holds(part) and not await self._owner.surely_holds(part):
             # Maybe another planner's now (this process was stopped or starved past its
-            # lease): left unacknowledged, it goes to the owner, whose state must fold it.
+            # lease): left unacknowledged, it goes to the owner, whose state must fold it
+            # (the session's next events are not folded in its place meanwhile).
+            self._states.handed_back(sid)
             return
         early = self._early_of.get(sid)
         if early is not None:
@@ -1461,6 +1463,8 @@ class Planner:
         entry = await self._states.entry(sid, at_least=delivery.stream_seq)
         async with entry.lock:
             stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
+            if entry.behind:  # an earlier event was handed back unfolded
+                await self._states.rebuild(entry)
             new = delivery.stream_seq > entry.state.last_seq
             if new:
                 self._states.fold(entry, stored.seq, stored.event)
@@ -1514,7 +1518,7 @@ class Planner:
             entry = provisional = self._states.assume_new(sid)
             if entry is None:
                 return None
-        elif entry.lock.locked() or not entry.is_caught_up or \
+        elif entry.lock.locked() or not entry.is_caught_up or entry.behind or \
                 entry.state.last_seq != state.last_seq:
             return None
         stored: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()

@@ -608,6 +608,9 @@ class SessionActor:
         if not self._owner.holds(part) and not await self._owner.surely_holds(part):
             # Maybe another process's now (this one was stopped or starved past its
             # lease): left unacknowledged, it goes to the owner, whose state must fold it.
+            # If that is still this process, the session's next events, delivered before
+            # this one comes back, must not be folded in its place.
+            self._states.handed_back(sid)
             return
         waiting = self._awaiting_rest.pop(sid, None)
         held: list[Delivery] = []
@@ -624,11 +627,12 @@ class SessionActor:
                                 held: list[Delivery]) -> None:
         entry = await self._states.entry(sid)
         async with entry.lock:
-            if delivery.stream_seq <= entry.state.last_seq and (
-                    delivery.num_delivered > 1 or entry.missed(delivery.stream_seq)):
+            if entry.behind or (delivery.stream_seq <= entry.state.last_seq and (
+                    delivery.num_delivered > 1 or entry.missed(delivery.stream_seq))):
                 # Delivered after later events were folded: if it is one this state never
                 # saw (its first delivery was lost with a node, or a read went past it),
-                # fold the log again so it is in its place.
+                # fold the log again so it is in its place. Likewise after an earlier
+                # event was handed back unfolded (`handed_back`).
                 await self._states.rebuild(entry)
             elif delivery.stream_seq <= entry.state.last_seq and entry.settled and \
                     entry.is_caught_up:

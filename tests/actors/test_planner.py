@@ -1023,3 +1023,58 @@ async def test_a_turn_waiting_for_a_human_is_cancelled_from_another_process(
     assert call.status == "failed" and call.error is not None
     assert call.error.error_type == "cancelled" and call.started_at is None
     assert len(model.received) == 1  # the model is not asked about a cancelled turn
+
+
+async def test_a_result_handed_back_while_the_lease_is_in_doubt_is_not_overtaken(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner unsure it still holds a partition hands a call's result back; it comes
+    again only after its ack wait. The other call's result, delivered meanwhile, must
+    not be folded in its place: the planner would wait for the first result until the
+    redelivery, or decide without it."""
+    from bus.subjects import partition
+    from schemas.defaults import PARTITION_ACK_WAIT_S
+
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings)
+    await p.start()
+    owner = p._owner
+    mine = partition(sid, bus.partitions)
+    real_holds, real_surely = owner.holds, owner.surely_holds
+    armed, handed_back = asyncio.Event(), asyncio.Event()
+    handed_at: list[float] = []
+
+    def doubt(part: int) -> bool:
+        return part == mine and armed.is_set() and not handed_back.is_set()
+
+    def holds(part: int) -> bool:
+        return not doubt(part) and real_holds(part)
+
+    async def surely_holds(part: int, wait: float = 3.0) -> bool:
+        if doubt(part):
+            handed_back.set()
+            handed_at.append(time.monotonic())
+            return False
+        return await real_surely(part, wait)
+
+    monkeypatch.setattr(owner, "holds", holds)
+    monkeypatch.setattr(owner, "surely_holds", surely_holds)
+    try:
+        model.script = [(200, reply(calls=[("s1", "testing__sleep", {"seconds": 0.4}),
+                                           ("s2", "testing__sleep", {"seconds": 1.0})])),
+                        (200, reply("Slept."))]
+        model.asked.clear()
+        ask = asyncio.create_task(client.ask(sid, "Sleep twice."))
+        async with asyncio.timeout(10):
+            await model.asked.wait()
+        await asyncio.sleep(0.2)  # `turn.requested` handled: the next is the first result
+        armed.set()
+        end = await ask
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "Slept.", end
+    assert handed_back.is_set()
+    # Answered on the second result, the log read again: not after the first one's
+    # redelivery.
+    assert time.monotonic() - handed_at[0] < PARTITION_ACK_WAIT_S - 1

@@ -286,3 +286,55 @@ async def _evicted(states: Any, sid: str) -> None:
         while states.peek(sid) is not None:
             states.forget(lambda s: s != sid)
             await asyncio.sleep(0.01)
+
+
+async def test_an_event_handed_back_while_the_lease_is_in_doubt_is_not_overtaken(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        monkeypatch: Any) -> None:
+    """A session actor unsure it still holds a partition (its lease's renewal late, as
+    while a cluster elects the bucket's leader) hands the event back unacknowledged; it
+    comes again only after its ack wait. The session's next event, delivered meanwhile,
+    must not be folded in its place: the live state would lack the first one until then,
+    and be decided on so (a cluster test caught a call's `call.started` missing)."""
+    import time
+
+    from bus.eventlog import Append
+    from bus.subjects import partition
+    from schemas.defaults import PARTITION_ACK_WAIT_S
+
+    await client.call(sid, [{"tool": "built-in:echo", "arguments": {"text": "hi"}}],
+                      timeout=10)
+    await settled_state(bus, client, sid)  # in the session actor's memory
+    owner = system["session"]._owner
+    mine = partition(sid, bus.partitions)
+    real_holds, real_surely = owner.holds, owner.surely_holds
+    handed_back = asyncio.Event()
+
+    def holds(part: int) -> bool:
+        return not (part == mine and not handed_back.is_set()) and real_holds(part)
+
+    async def surely_holds(part: int, wait: float = 3.0) -> bool:
+        if part == mine and not handed_back.is_set():
+            handed_back.set()
+            return False
+        return await real_surely(part, wait)
+
+    monkeypatch.setattr(owner, "holds", holds)
+    monkeypatch.setattr(owner, "surely_holds", surely_holds)
+    log = EventLog(bus)
+
+    def fact(n: int) -> Append:
+        return Append(RequestRejected(session_id=sid, at=time.time(), actor="test",
+                                      reason="invalid", message=f"fact {n}"),
+                      f"{sid}:fact-{n}")
+
+    await log.append(fact(1))
+    async with asyncio.timeout(5):
+        await handed_back.wait()
+    handed_at = time.monotonic()
+    second = await log.append(fact(2))
+    state = await settled_state(bus, client, sid)
+    assert state.last_seq >= second.seq
+    # Both folded, in order, well before the first one's redelivery.
+    await assert_replay_equals_live(bus, client, sid)
+    assert time.monotonic() - handed_at < PARTITION_ACK_WAIT_S
