@@ -336,14 +336,19 @@ class Entry:
     # was loaded or rebuilt); while the state is still there, a delivery of an event
     # folded before it can make nothing new due (the planner's own writes coming back).
     decided_at: int = -1
-    # An event of the session was handed back unfolded (whether this process still owned
-    # its partition was in doubt): the events after it are folded only once the log has
-    # been read again, that one included (`rebuild`), not in its place until it comes back.
-    behind: bool = False
+    # The highest sequence of an event of the session handed back unfolded (whether this
+    # process still owned its partition was in doubt): until the state reaches it, the
+    # events after it are not folded in its place; the log is read past it first.
+    handed_back_at: int = 0
 
     @property
     def is_caught_up(self) -> bool:
         return self.state.last_seq >= self.written_upto
+
+    @property
+    def behind(self) -> bool:
+        """An event handed back unfolded is missing from the state (see `handed_back`)."""
+        return self.handed_back_at > self.state.last_seq
 
     def missed(self, seq: int) -> bool:
         """Whether `seq`, at or behind the state, was never folded: it came first to a
@@ -377,6 +382,8 @@ class SessionStates:
         self.peer: SessionStates | None = None
         # Sessions taken as new (`assume_new`) whose first write is on its way.
         self._new: dict[str, asyncio.Future[None]] = {}
+        # Sessions being loaded when an event of theirs was handed back (`handed_back`).
+        self._handed_back_loading: dict[str, int] = {}
         _STATES_OF_LOG.setdefault(log, weakref.WeakSet()).add(self)
 
     async def entry(self, sid: str, *, at_least: int = 0) -> Entry:
@@ -403,6 +410,7 @@ class SessionStates:
         try:
             entry = await self._copy_of_peer(sid, at_least) or await self._load(sid)
             await self._complete(entry)
+            entry.handed_back_at = self._handed_back_loading.pop(sid, 0)
             entry.caught_up.set()
             self._cache[sid] = entry
             self._evict()
@@ -414,6 +422,7 @@ class SessionStates:
             raise
         finally:
             del self._loading[sid]
+            self._handed_back_loading.pop(sid, None)
 
     async def _load(self, sid: str) -> Entry:
         """The session folded from its snapshot and the log after it. The snapshot and
@@ -519,13 +528,31 @@ class SessionStates:
         n = self._bus.partitions
         self.forget(lambda sid: partition(sid, n) != part)
 
-    def handed_back(self, sid: str) -> None:
-        """An event of `sid` was left unacknowledged unfolded, to come again after its
-        ack wait: the state in memory, if any, is `behind` until the log is read again.
-        (One cold-loaded meanwhile reads the log, that event included.)"""
+    def handed_back(self, sid: str, seq: int) -> None:
+        """The event at `seq` of `sid` was left unacknowledged unfolded, to come again
+        after its ack wait: the state in memory, or the one being loaded (its read may
+        have been before the event was stored), is `behind` until it holds `seq`."""
         entry = self._cache.get(sid)
         if entry is not None:
-            entry.behind = True
+            entry.handed_back_at = max(entry.handed_back_at, seq)
+        if sid in self._loading:
+            self._handed_back_loading[sid] = max(self._handed_back_loading.get(sid, 0), seq)
+
+    async def read_past_handed_back(self, entry: Entry, *, attempts: int = 20) -> None:
+        """Fold what was stored after the state, up to and past the events handed back
+        unfolded (call with the lock, when `entry.behind`). Read in the log's order, the
+        state stays a prefix of the log. Raises `BusError` when the read does not reach
+        them (a replica behind, on a cluster): the delivery is handed back, with backoff."""
+        for _ in range(attempts):
+            await self.reread(entry)
+            if not entry.behind:
+                # Events came into the state by this read: a decision is due again.
+                entry.settled = False
+                entry.decided_at = -1
+                return
+            await asyncio.sleep(0.05)
+        raise BusError(f"the log of session {entry.state.session_id} read back does not "
+                       f"reach seq {entry.handed_back_at} yet")
 
     def peek(self, sid: str) -> Entry | None:
         """The cached entry, if the session is in memory."""
@@ -628,7 +655,6 @@ class SessionStates:
                 entry.caught_up.set()
                 entry.settled = False
                 entry.decided_at = -1
-                entry.behind = False
                 return True
             await asyncio.sleep(0.05)
         log.warning("session %s: could not re-read its log up to seq %d", sid,

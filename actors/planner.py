@@ -1451,7 +1451,7 @@ class Planner:
             # Maybe another planner's now (this process was stopped or starved past its
             # lease): left unacknowledged, it goes to the owner, whose state must fold it
             # (the session's next events are not folded in its place meanwhile).
-            self._states.handed_back(sid)
+            self._states.handed_back(sid, delivery.stream_seq)
             return
         early = self._early_of.get(sid)
         if early is not None:
@@ -1463,8 +1463,8 @@ class Planner:
         entry = await self._states.entry(sid, at_least=delivery.stream_seq)
         async with entry.lock:
             stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
-            if entry.behind:  # an earlier event was handed back unfolded
-                await self._states.rebuild(entry)
+            if entry.behind:  # an earlier event was handed back unfolded: read past it
+                await self._states.read_past_handed_back(entry)
             new = delivery.stream_seq > entry.state.last_seq
             if new:
                 self._states.fold(entry, stored.seq, stored.event)

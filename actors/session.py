@@ -610,7 +610,7 @@ class SessionActor:
             # lease): left unacknowledged, it goes to the owner, whose state must fold it.
             # If that is still this process, the session's next events, delivered before
             # this one comes back, must not be folded in its place.
-            self._states.handed_back(sid)
+            self._states.handed_back(sid, delivery.stream_seq)
             return
         waiting = self._awaiting_rest.pop(sid, None)
         held: list[Delivery] = []
@@ -627,25 +627,30 @@ class SessionActor:
                                 held: list[Delivery]) -> None:
         entry = await self._states.entry(sid)
         async with entry.lock:
-            if entry.behind or (delivery.stream_seq <= entry.state.last_seq and (
-                    delivery.num_delivered > 1 or entry.missed(delivery.stream_seq))):
+            seq = delivery.stream_seq
+            read_to_it = False
+            if entry.behind:
+                # An earlier event of the session was handed back unfolded (`handed_back`):
+                # not this one in its place; the log is read past it, to this one.
+                await self._states.read_past_handed_back(entry)
+                read_to_it = seq == entry.state.last_seq
+            elif seq <= entry.state.last_seq and (
+                    delivery.num_delivered > 1 or entry.missed(seq)):
                 # Delivered after later events were folded: if it is one this state never
                 # saw (its first delivery was lost with a node, or a read went past it),
-                # fold the log again so it is in its place. Likewise after an earlier
-                # event was handed back unfolded (`handed_back`).
+                # fold the log again so it is in its place.
                 await self._states.rebuild(entry)
-            elif delivery.stream_seq <= entry.state.last_seq and entry.settled and \
-                    entry.is_caught_up:
+            elif seq <= entry.state.last_seq and entry.settled and entry.is_caught_up:
                 # Already folded (mostly our own writes coming back): the state has not
                 # changed since the last decision, so nothing new can be due.
                 await _release([*held, delivery], decided=True)
                 return
-            if delivery.stream_seq > entry.state.last_seq:
-                stored = decode_stored(delivery.stream_seq, delivery.subject, delivery.data)
+            if seq > entry.state.last_seq or read_to_it:
+                stored = decode_stored(seq, delivery.subject, delivery.data)
                 if stored.event is None:
                     log.warning("session %s: unreadable event at seq %d: %s",
                                 sid, stored.seq, stored.error)
-                self._states.fold(entry, stored.seq, stored.event)
+                self._states.fold(entry, stored.seq, stored.event)  # (none if read_to_it)
                 if isinstance(stored.event, RequestRejected) and \
                         stored.event.actor == ACTOR and stored.event.reason == "internal":
                     # Our own record that deciding for this session raised: deciding
@@ -677,6 +682,8 @@ class SessionActor:
                 return
             try:
                 async with entry.lock:
+                    if entry.behind:  # the rest of the decision was handed back
+                        await self._states.read_past_handed_back(entry)
                     await self._settle(entry)
             except Exception as exc:
                 log.warning("session %s: deciding after an unfinished decision failed: "

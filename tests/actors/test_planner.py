@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -760,6 +761,37 @@ async def test_toolbus_chat_streams_the_answer_and_shows_each_call(
     assert ("user", "Echo a.") in history and ("assistant", "All done here.") in history
 
 
+async def test_ctrl_c_in_toolbus_chat_cancels_the_turn_it_waits_for(
+        bus: Bus, planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    """Interrupted mid-turn, `toolbus chat` stopped and the turn went on unseen, calling
+    the model and holding the session's next turn back; it is cancelled now, and said."""
+    model.script = [(200, reply("Too late."), 30)]  # cut short when the planner hangs up
+    model.asked.clear()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "chat", "Take your time.", "--session", sid,
+        "--nats", nats_url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        cwd=REPO, start_new_session=True)
+    try:
+        async with asyncio.timeout(30):
+            await model.asked.wait()
+        os.killpg(proc.pid, signal.SIGINT)
+        async with asyncio.timeout(15):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 130, err
+    lines = err.decode().strip().splitlines()
+    assert "Traceback" not in err.decode()
+    assert re.fullmatch(r"toolbus: interrupted: turn \S+ cancelled", lines[-1]), lines
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: any(isinstance(e, TurnCancelled) for e in evs))
+    cancelled = next(e for e in events if isinstance(e, TurnCancelled))
+    assert "toolbus chat was interrupted" in cancelled.message
+    assert not any(isinstance(e, TurnCompleted) for e in events)
+
+
 async def test_toolbus_chat_piped_prints_the_answer_alone_and_streams_on_a_terminal(
         planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
     import pty
@@ -1071,10 +1103,10 @@ async def test_a_result_handed_back_while_the_lease_is_in_doubt_is_not_overtaken
         await asyncio.sleep(0.2)  # `turn.requested` handled: the next is the first result
         armed.set()
         end = await ask
+        took = time.monotonic() - handed_at[0]
     finally:
         await p.stop()
     assert isinstance(end, TurnCompleted) and end.text == "Slept.", end
-    assert handed_back.is_set()
     # Answered on the second result, the log read again: not after the first one's
     # redelivery.
-    assert time.monotonic() - handed_at[0] < PARTITION_ACK_WAIT_S - 1
+    assert took < PARTITION_ACK_WAIT_S - 1, took

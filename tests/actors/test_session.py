@@ -4,6 +4,7 @@ duplicate requests, and replay equal to the live state."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -288,53 +289,101 @@ async def _evicted(states: Any, sid: str) -> None:
             await asyncio.sleep(0.01)
 
 
+
+def _doubt_once(owner: Any, part: int, monkeypatch: Any) -> asyncio.Event:
+    """`owner` unsure of `part` once (as when its lease's renewal is late, while a cluster
+    elects the bucket's leader): the next message of `part` is handed back; set then."""
+    real_holds, real_surely = owner.holds, owner.surely_holds
+    handed_back = asyncio.Event()
+
+    def holds(p: int) -> bool:
+        return not (p == part and not handed_back.is_set()) and real_holds(p)
+
+    async def surely_holds(p: int, wait: float = 3.0) -> bool:
+        if p == part and not handed_back.is_set():
+            handed_back.set()
+            return False
+        return await real_surely(p, wait)
+
+    monkeypatch.setattr(owner, "holds", holds)
+    monkeypatch.setattr(owner, "surely_holds", surely_holds)
+    return handed_back
+
+
+def _fact(sid: str, n: int) -> Any:
+    from bus.eventlog import Append
+
+    return Append(RequestRejected(session_id=sid, at=time.time(), actor="test",
+                                  reason="invalid", message=f"fact {n}"), f"{sid}:fact-{n}")
+
+
+async def _second_fact_folds_both(bus: Bus, client: ToolbusClient, sid: str,
+                                  handed_at: float) -> None:
+    """The session's next event, stored now, is folded with the handed-back one before
+    it, in order, well before that one's redelivery (its ack wait)."""
+    from schemas.defaults import PARTITION_ACK_WAIT_S
+
+    second = await EventLog(bus).append(_fact(sid, 2))
+    state = await settled_state(bus, client, sid)
+    assert state.last_seq >= second.seq
+    await assert_replay_equals_live(bus, client, sid)
+    assert time.monotonic() - handed_at < PARTITION_ACK_WAIT_S
+
+
 async def test_an_event_handed_back_while_the_lease_is_in_doubt_is_not_overtaken(
         bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
         monkeypatch: Any) -> None:
-    """A session actor unsure it still holds a partition (its lease's renewal late, as
-    while a cluster elects the bucket's leader) hands the event back unacknowledged; it
-    comes again only after its ack wait. The session's next event, delivered meanwhile,
-    must not be folded in its place: the live state would lack the first one until then,
-    and be decided on so (a cluster test caught a call's `call.started` missing)."""
-    import time
-
-    from bus.eventlog import Append
+    """A session actor unsure it still holds a partition hands the event back
+    unacknowledged; it comes again only after its ack wait. The session's next event,
+    delivered meanwhile, must not be folded in its place: the live state would lack the
+    first one until then, and be decided on so (a cluster test caught a call's
+    `call.started` missing)."""
     from bus.subjects import partition
-    from schemas.defaults import PARTITION_ACK_WAIT_S
 
     await client.call(sid, [{"tool": "built-in:echo", "arguments": {"text": "hi"}}],
                       timeout=10)
     await settled_state(bus, client, sid)  # in the session actor's memory
-    owner = system["session"]._owner
-    mine = partition(sid, bus.partitions)
-    real_holds, real_surely = owner.holds, owner.surely_holds
-    handed_back = asyncio.Event()
+    handed_back = _doubt_once(system["session"]._owner, partition(sid, bus.partitions),
+                              monkeypatch)
+    await EventLog(bus).append(_fact(sid, 1))
+    async with asyncio.timeout(5):
+        await handed_back.wait()
+    await _second_fact_folds_both(bus, client, sid, time.monotonic())
 
-    def holds(part: int) -> bool:
-        return not (part == mine and not handed_back.is_set()) and real_holds(part)
 
-    async def surely_holds(part: int, wait: float = 3.0) -> bool:
-        if part == mine and not handed_back.is_set():
-            handed_back.set()
-            return False
-        return await real_surely(part, wait)
+async def test_an_event_handed_back_while_its_session_is_being_loaded_is_not_overtaken(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        monkeypatch: Any) -> None:
+    """The same, with the session not in memory but being loaded (for the state RPC, a
+    request) from a read of the log taken before the handed-back event was stored."""
+    from bus.subjects import partition
 
-    monkeypatch.setattr(owner, "holds", holds)
-    monkeypatch.setattr(owner, "surely_holds", surely_holds)
-    log = EventLog(bus)
+    await client.call(sid, [{"tool": "built-in:echo", "arguments": {"text": "hi"}}],
+                      timeout=10)
+    await settled_state(bus, client, sid)
+    states = system["session"].states
+    async with asyncio.timeout(5):
+        while states.peek(sid) is not None:  # out of memory (not while being decided)
+            states.forget(lambda s: s != sid)
+            await asyncio.sleep(0.01)
+    gate = asyncio.Event()
+    real_load = states._load
 
-    def fact(n: int) -> Append:
-        return Append(RequestRejected(session_id=sid, at=time.time(), actor="test",
-                                      reason="invalid", message=f"fact {n}"),
-                      f"{sid}:fact-{n}")
+    async def held_load(s: str) -> Any:
+        entry = await real_load(s)
+        if s == sid:
+            await gate.wait()  # read, not yet in memory
+        return entry
 
-    await log.append(fact(1))
+    monkeypatch.setattr(states, "_load", held_load)
+    handed_back = _doubt_once(system["session"]._owner, partition(sid, bus.partitions),
+                              monkeypatch)
+    loading = asyncio.create_task(states.entry(sid))
+    await asyncio.sleep(0.2)  # its read of the log done
+    await EventLog(bus).append(_fact(sid, 1))
     async with asyncio.timeout(5):
         await handed_back.wait()
     handed_at = time.monotonic()
-    second = await log.append(fact(2))
-    state = await settled_state(bus, client, sid)
-    assert state.last_seq >= second.seq
-    # Both folded, in order, well before the first one's redelivery.
-    await assert_replay_equals_live(bus, client, sid)
-    assert time.monotonic() - handed_at < PARTITION_ACK_WAIT_S
+    gate.set()
+    await loading
+    await _second_fact_folds_both(bus, client, sid, handed_at)

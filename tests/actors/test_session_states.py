@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 
 from actors.kernel import Entry, SessionStates
 from bus.connection import Bus, connect
@@ -299,3 +300,32 @@ async def test_a_new_session_the_peer_is_writing_is_waited_for_not_read(
         assert len(await log.read_session(sid)) == 1
     finally:
         log.read_head = real_head  # type: ignore[method-assign]
+
+
+async def test_a_state_behind_an_event_handed_back_reads_the_log_past_it(
+        bus: Bus, sid: str) -> None:
+    """An event handed back unfolded (`handed_back`) leaves the state behind it until a
+    read of the log in order reaches it; a read that does not (a replica behind, on a
+    cluster) is an error worth another delivery, not a state folded past a gap."""
+    from schemas.errors import BusError
+
+    log = EventLog(bus)
+    await _append_rejections(log, sid, 3)
+    states = SessionStates(bus, log)
+    entry = await states.entry(sid)
+    first = entry.state.last_seq
+    await _append_rejections(log, sid, 2, start=3)
+    last = max(s.seq for s in await log.read_session(sid))
+    states.handed_back(sid, last - 1)
+    assert entry.behind
+    entry.settled = True
+    async with entry.lock:
+        await states.read_past_handed_back(entry)
+    assert not entry.behind and entry.state.last_seq == last > first
+    assert not entry.settled  # events came in: decided again
+    assert encode_state(entry.state) == await _folded(log, sid)
+    states.handed_back(sid, last + 1_000)  # never stored
+    async with entry.lock:
+        with pytest.raises(BusError, match=f"seq {last + 1_000}"):
+            await states.read_past_handed_back(entry, attempts=2)
+    assert entry.behind
