@@ -36,9 +36,6 @@ from tests.conftest import (
 )
 from tests.mcp_servers import SampleServer
 
-# One worker runs them all, on the one cluster of that worker (see pyproject.toml).
-pytestmark = pytest.mark.xdist_group("cluster")
-
 STREAMS = ("TOOLBUS_EVENTS", "TOOLBUS_REQUESTS", "KV_toolbus_catalog", "KV_toolbus_snapshots",
            "KV_toolbus_approvals", "KV_toolbus_executors", "OBJ_toolbus_artifacts")
 
