@@ -63,6 +63,11 @@ def default_workers() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def max_workers() -> int:
+    """The most `toolbus up --workers` takes: four processes per core (at least 8)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 @dataclass(frozen=True, slots=True)
 class ActorSettings:
     tools: tuple[str, ...] = ()

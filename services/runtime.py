@@ -31,7 +31,13 @@ from schemas.errors import BusError, ConfigError, WorkerError
 from schemas.ids import split_tool_name
 from schemas.manifest import McpServerConfig, PolicyConfig, unknown_tool_refs
 from schemas.policy import Policy
-from services.config import ActorSettings, default_data_dir, subprocess_path, tool_secrets
+from services.config import (
+    ActorSettings,
+    default_data_dir,
+    max_workers,
+    subprocess_path,
+    tool_secrets,
+)
 from services.metrics import LagPoller, MetricsServer, install_metrics, serve_metrics
 from services.process import EXIT_BUS, die_with_parent, parent_is, run
 from services.telemetry import install_tracing, shutdown_tracing
@@ -535,6 +541,12 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
     and the executors and MCP connectors in `workers - 1` child processes."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give 1 (everything in this process) or more")
+    if workers > (most := max_workers()):
+        raise ConfigError(
+            f"--workers {workers}: at most {most} on this machine ({os.cpu_count() or 1} "
+            "cores, up to 4 processes each); each worker is a whole Python process with every "
+            "executor pool and MCP connection, and more than the cores can run only compete. "
+            "For more calls at once, raise --max-in-flight (calls each process runs at once)")
     # The manifest was read and checked when the settings were built: a bad one has
     # already failed, before anything started.
     kinds = ["executors", "mcp", "approval", "planner", "session"] if workers == 1 else \

@@ -13,7 +13,8 @@ the calls between them.
   `<host>-<parent pid>`; a restarted child keeps its name, so calls addressed to that
   instance (`_instance`) still find it.
 - Lifetime: a child asks the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG,
-  `--parent-pid`), so even a SIGKILLed parent leaves no orphan. A child that exits while the
+  set between fork and exec, and again with `--parent-pid`), so even a SIGKILLed parent
+  leaves no orphan, however far the child got in starting. A child that exits while the
   parent runs is restarted, at most `MAX_RESTARTS` times in `RESTART_WINDOW_S`; after that
   the parent stops with a message. Each child has its own process group: Ctrl-C reaches the
   parent only, which stops its session actor first, then the children (SIGTERM: they drain
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from actors.executor import default_instance_name
 from schemas.errors import WorkerError
 from services.config import ActorSettings
+from services.process import die_with_parent
 
 WORKER_READY = "toolbus worker ready"
 MAX_RESTARTS = 5
@@ -126,7 +128,10 @@ class Workers:
         # stderr is the parent's: a worker's errors and logs reach the terminal as is.
         proc = w.proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            start_new_session=True, limit=_MAX_LINE, env={**os.environ, "NATS_URL": self._url})
+            start_new_session=True, limit=_MAX_LINE, env={**os.environ, "NATS_URL": self._url},
+            # From the fork on, not once it has imported toolbus: a child still starting
+            # (a loaded machine) when the parent is killed would be left running.
+            preexec_fn=die_with_parent)
         assert proc.stdout is not None
         lines: list[str] = []
         try:

@@ -339,6 +339,38 @@ async def test_a_dead_worker_is_restarted_and_a_killed_parent_leaves_no_process_
         up.stop()
 
 
+async def test_a_worker_still_starting_when_its_parent_is_killed_is_not_left_behind(
+        tmp_path: Path) -> None:
+    """The parent asks the kernel for a worker's SIGTERM between fork and exec: a worker
+    still importing when `toolbus up` is SIGKILLed (on a loaded machine, many of them, for
+    a long while) is not left running until it gets to ask for itself."""
+    up = Proc("up", "--port", str(free_port()), "--data-dir", str(tmp_path / "data"),
+              "--workers", "2", ready="stop:")
+    try:
+        worker = 0
+        async with asyncio.timeout(30):
+            while not worker:
+                for pid in _children(up.pid):
+                    with contextlib.suppress(OSError):
+                        if b"\0actor\0worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                            worker = pid
+                await asyncio.sleep(0.002)
+        os.kill(worker, signal.SIGSTOP)  # held where it is: importing toolbus
+        try:
+            up.proc.kill()
+            up.proc.wait(10)
+            # The kernel's SIGTERM waits for it to run again (the stop holds it).
+            status = Path(f"/proc/{worker}/status").read_text()
+            pending = [int(line.split()[1], 16) for line in status.splitlines()
+                       if line.startswith(("SigPnd:", "ShdPnd:"))]
+            assert any(mask & (1 << (signal.SIGTERM - 1)) for mask in pending), status
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert _gone(worker, 10), "a worker outlived its killed parent"
+    finally:
+        up.stop()
+
+
 async def test_ctrl_c_ends_toolbus_up_while_a_sync_tool_it_gave_up_on_still_runs(
         tmp_path: Path) -> None:
     tools = tmp_path / "stuck.py"
