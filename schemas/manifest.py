@@ -846,8 +846,11 @@ def resolve_vars(node: Any, env: Mapping[str, str], where: list[Any],
         if value is None or (value == "" and fallback is not None):
             if fallback is not None:
                 return fallback
+            # A key takes no default written in the file (`literal_secrets`): none at all.
+            instead = f"${{{name}:-}} for a server that takes no key" \
+                if where and where[-1] == "api_key" else f"${{{name}:-default}}"
             problems.append(f"{_loc(where)}: ${{{name}}} is not set in the environment; "
-                            f"export {name}=... or write ${{{name}:-default}}")
+                            f"export {name}=... or write {instead}")
             return ""
         if used is not None:
             used[name] = value

@@ -65,6 +65,7 @@ try:
         EXIT_CALL_FAILED,
         EXIT_OK,
         EXIT_USAGE,
+        ClosedOutput,
         fill_std_fds,
         interrupted,
         started,
@@ -353,8 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    fill_std_fds()
+    closed = fill_std_fds()
     args = build_parser().parse_args(argv)
+    if "stdout" in closed and args.command not in ("up", "actor"):
+        sys.stdout = ClosedOutput()  # what it writes fails: said, and status 1
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -385,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "benchmark starts its own server and toolbus; --nats is for `bench calls` "
                   "and `bench replay`, --session-actors for `bench calls`)", file=sys.stderr)
             return EXIT_USAGE
+    if args.command == "bench" and args.what == "agent" and args.turns == 1:
+        print("toolbus bench agent: --turns 1 has no history to compare: give 2 or more "
+              "(the last turns of a session are timed against its first)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         # `up` runs its own server unless told of one (`--nats` or $NATS_URL).
         external = getattr(args, "nats", None) or os.environ.get("NATS_URL")
@@ -777,6 +784,12 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             try:
                 end = await client.ask(session, text, agent=args.agent,
                                        timeout=args.timeout, request_id=request_id)
+            except asyncio.CancelledError:
+                # Ctrl-C (or SIGTERM) during the turn: it is the session's, and would go
+                # on unseen, holding the session's next turns back. Stopped, as a chat's
+                # Ctrl-C stops the answer, or else named.
+                await _stop_turn(client, session, turn_id_for(request_id))
+                raise
             except BusTimeoutError as exc:
                 if messages is not None:
                     raise  # one turn: its timeout is the command's end
@@ -810,6 +823,31 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         await client.close()
         await bus.close()
     return code
+
+
+async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
+    """Cancel the turn `toolbus chat` was interrupted in (bounded), and say how it ended;
+    else how to stop it."""
+    how = f"toolbus cancel {turn_id} --session {session}"
+    try:
+        end = await client.cancel(session, turn_id, reason="toolbus chat was interrupted",
+                                  timeout=_STOP_TURN_S)
+    except Exception as exc:
+        print(f"\ntoolbus: turn {turn_id} may still be running ({exc}); stop it with: {how}",
+              file=sys.stderr, flush=True)
+        return
+    if isinstance(end, TurnCancelled):
+        print(f"\ntoolbus: interrupted: turn {turn_id} cancelled", file=sys.stderr,
+              flush=True)
+    elif isinstance(end, RequestRejected):
+        # Not known yet (its request still on its way), or already over.
+        print(f"\ntoolbus: interrupted: turn {turn_id} not cancelled "
+              f"({_printable(end.message)}); if it runs: {how}", file=sys.stderr, flush=True)
+    else:
+        print(f"\ntoolbus: interrupted: turn {turn_id} had ended", file=sys.stderr, flush=True)
+
+
+_STOP_TURN_S = 5.0
 
 
 async def _cancel(url: str, args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import errno
 import gc
+import io
 import os
 import signal
 import sys
@@ -71,18 +73,34 @@ def tcp_port(text: str) -> int:
 tcp_port.__name__ = "port"  # argparse names the type in its error messages
 
 
-def fill_std_fds() -> None:
+def fill_std_fds() -> set[str]:
     """Give /dev/null to a standard stream the process was started without (`>&-`): the
     first socket opened would otherwise take its number, the output meant for the
-    terminal would go to the bus, and uvloop aborts the process when it closes it."""
+    terminal would go to the bus, and uvloop aborts the process when it closes it.
+    Returns the names of those streams (`"stdout"`, ...)."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
             os.set_inheritable(os.open(os.devnull, os.O_RDWR), True)  # the lowest: fd
+    closed = set()
     for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
         if getattr(sys, name) is None:  # Python found the descriptor closed at start
             setattr(sys, name, open(os.devnull, mode))
+            closed.add(name)
+    return closed
+
+
+class ClosedOutput(io.TextIOWrapper):
+    """Standard output for a command started with it closed (`>&-`) whose output is what
+    it is for (`chat`, `replay`): writing fails as writing to a closed descriptor does, so
+    the command says so and fails, as `cat` does, instead of losing it and succeeding."""
+
+    def __init__(self) -> None:
+        super().__init__(open(os.devnull, "wb"))
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
 
 
 EXIT_TERMINATED = 128 + signal.SIGTERM

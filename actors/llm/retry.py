@@ -113,7 +113,40 @@ def redact(text: str, key: str | None) -> str:
                      repr(key.encode(errors="replace"))[2:-1]}:
             if form:
                 text = text.replace(form, "[redacted]")
+        text = _without_pieces_of(text, str(strip_controls(key)))
     return _KEYLIKE.sub("[redacted]", text)
+
+
+_KEY_PIECE: Final = 8  # characters of a key that are enough to be taken for part of it
+
+
+def _without_pieces_of(text: str, key: str) -> str:
+    """`text` without any run of `_KEY_PIECE` or more characters of `key`: a server
+    echoing the key split (a space in it, a line break) or cut would otherwise show most
+    of it. Every such run is covered by the occurrences of the key's windows of that
+    length, found with `str.find` (a 2 MB body costs milliseconds)."""
+    if len(key) < 12:
+        return text
+    spans: list[tuple[int, int]] = []
+    for i in range(len(key) - _KEY_PIECE + 1):
+        window = key[i:i + _KEY_PIECE]
+        at = text.find(window)
+        while at != -1:
+            spans.append((at, at + _KEY_PIECE))
+            at = text.find(window, at + 1)
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out: list[str] = []
+    last = 0
+    for a, b in merged:
+        out += [text[last:a], "[redacted]"]
+        last = b
+    out.append(text[last:])
+    return "".join(out)
 
 
 def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:

@@ -228,7 +228,15 @@ def test_a_missing_variable_is_named_with_its_key_path() -> None:
     message = problems_of(f"agent_config: {{{MODEL}}}")
     assert "agent_config.model.api_key: ${OPENAI_API_KEY} is not set in the environment" \
         in message
+    # What it suggests for a key is accepted: no default written in the file, none at all.
+    assert "write ${OPENAI_API_KEY:-} for a server that takes no key" in message
+    keyless = parse_manifest(
+        f"agent_config: {{{MODEL.replace('${OPENAI_API_KEY}', '${OPENAI_API_KEY:-}')}}}",
+        env={})
+    assert keyless.agent_config is not None
     assert "${CRM_MCP_KEY} is not set" in problems_of(SEED_MCPS)
+    assert "${PORT} is not set in the environment; export PORT=... or write " \
+        "${PORT:-default}" in problems_of("mcps: [{id: a, hostname: http://h, port: '${PORT}'}]")
 
 
 def test_a_policy_gives_when_or_when_state_not_both() -> None:

@@ -514,6 +514,22 @@ async def test_a_key_split_by_an_invisible_character_in_an_error_is_still_redact
     assert KEY not in got.message and KEY[6:] not in got.message, got.message
 
 
+async def test_a_key_split_by_a_space_or_cut_in_an_error_shows_none_of_its_pieces(
+        server: tuple[RawServer, int]) -> None:
+    # Exact matches left most of it: "bad key [redacted] ETVALUE-0123456789abcdef" for a
+    # key echoed with a space in it. Any 8 characters of it in a row are taken out now.
+    raw, port = server
+    error_body = json.dumps({"error": {"message": (
+        f"bad key {KEY[:9]} {KEY[9:]}, or was it ...{KEY[-10:]}? "
+        "see https://platform.example.com/docs")}}).encode()
+    raw.reply = body(error_body, status=401)
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and got.status == 401, got
+    message = got.message
+    assert not any(KEY[i:i + 8] in message for i in range(len(KEY) - 7)), message
+    assert message.count("[redacted]") == 3 and "platform.example.com/docs" in message
+
+
 async def test_a_placeholder_key_a_local_server_ignores_does_not_censor_the_answer(
         server: tuple[RawServer, int]) -> None:
     raw, port = server
