@@ -646,8 +646,11 @@ async def test_a_cancelled_turn_stops_its_model_call_so_the_turn_replacing_it_st
         sid: str) -> None:
     from tests.conftest import of_type
 
-    # The first turn's model takes 60 s (a slow provider, or one being retried).
-    model.script = [(200, reply("Too late."), 60), (200, reply("Fresh answer."))]
+    # The first turn's model takes 60 s (a slow provider, or one being retried). The
+    # answer is there twice: on a loaded machine the new turn's question can go out twice
+    # (planned as it is stored, and again from its delivery), and a second one answered
+    # "script exhausted" would fail the turn, which is not what this test is about.
+    model.script = [(200, reply("Too late."), 60), *[(200, reply("Fresh answer."))] * 2]
     model.asked.clear()
     async with EventWatch(bus, sid) as watch:
         asking = asyncio.create_task(client.ask(sid, "Think slowly.", timeout=90))
@@ -656,8 +659,10 @@ async def test_a_cancelled_turn_stops_its_model_call_so_the_turn_replacing_it_st
         await client.inject(sid, "crm:login", {"user": "ada"}, idempotency_key="fast-1",
                             trigger_processing=True)
         assert isinstance(await asyncio.wait_for(asking, 30), TurnCancelled)
-        events = await watch.until(lambda evs: bool(of_type(evs, "turn.completed")),
-                                   timeout=30)
+        events = await watch.until(lambda evs: bool(
+            of_type(evs, "turn.completed") or of_type(evs, "turn.failed")), timeout=30)
+    assert not of_type(events, "turn.failed"), (of_type(events, "turn.failed"),
+                                                  len(model.received))
     (done,) = of_type(events, "turn.completed")
     assert done.text == "Fresh answer."
     assert time.monotonic() - t0 < 30  # not after the first call's 60 s
