@@ -378,6 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             with contextlib.suppress(OSError):  # `| head`: stop quietly
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
+        except OSError as exc:  # a full disk, a closed stdout: as every other command
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"toolbus: cannot write the output: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return EXIT_CALL_FAILED
     if args.command == "bench" and args.what not in ("calls", "replay"):
         # These start their own nats-server and `toolbus up` (with their own manifest):
         # a flag they would ignore is refused, not silently dropped.

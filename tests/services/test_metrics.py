@@ -8,6 +8,7 @@ import asyncio
 import http.server
 import signal
 import socket
+import subprocess
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from bus.connection import connect
 from bus.server import free_port
 from services.metrics import render
 from services.top import merge, parse, quantile
-from tests.conftest import Proc, role_url, run_toolbus
+from tests.conftest import REPO, Proc, role_url, run_toolbus, toolbus_cmd
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -204,14 +205,23 @@ def test_top_reads_an_empty_metrics_page_as_nothing_counted_yet() -> None:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Empty)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
     try:
-        done = run_toolbus("top", "--url", f"http://127.0.0.1:{server.server_port}/metrics",
-                           "--once", timeout=30)
+        done = run_toolbus("top", "--url", url, "--once", timeout=30)
+        # Its output unwritable (a full disk, stdout closed): one line and status 1, as
+        # every other command (both were tracebacks).
+        unwritable = [subprocess.run(
+            ["bash", "-c", " ".join(toolbus_cmd("top", "--url", url, "--once")) + redirect],
+            capture_output=True, text=True, timeout=30, cwd=REPO)
+            for redirect in (" > /dev/full", " >&-")]
     finally:
         server.shutdown()
         server.server_close()
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("toolbus top")
+    for out in unwritable:
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith("toolbus: cannot write the output: "), out.stderr
 
 
 async def test_top_pointed_at_a_page_that_is_not_metrics_says_so(up: Up) -> None:
