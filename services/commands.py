@@ -65,7 +65,6 @@ try:
         EXIT_CALL_FAILED,
         EXIT_OK,
         EXIT_USAGE,
-        ClosedOutput,
         fill_std_fds,
         interrupted,
         started,
@@ -357,7 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     closed = fill_std_fds()
     args = build_parser().parse_args(argv)
     if "stdout" in closed and args.command not in ("up", "actor"):
-        sys.stdout = ClosedOutput()  # what it writes fails: said, and status 1
+        # Refused before anything is done: failing at the first write, as `cat` does,
+        # would come after the call ran or the turn was paid for.
+        print("toolbus: standard output is closed (`>&-`): what this command prints "
+              "would be lost; send it somewhere (`> /dev/null` to discard it)",
+              file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -429,8 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_actor(url, args.kind, _actor_settings(args),
                                  parent_pid=args.parent_pid, metrics_port=args.metrics_port,
                                  metrics_host=args.metrics_host)
-            case "chat":
-                return _run(_chat(url, args))
+            case "chat":  # SIGTERM (`timeout`, a CI job's end) cancels its turn as Ctrl-C does
+                return _run(terminable(_chat(url, args)))
             case "call":
                 return _run(_call(url, args))
             case "inject":
@@ -835,22 +839,27 @@ async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
     """Cancel the turn `toolbus chat` was interrupted in (bounded), and say how it ended;
     else how to stop it."""
     how = f"toolbus cancel {turn_id} --session {session}"
+    print(f"\ntoolbus: interrupted: cancelling turn {turn_id} (again to leave it running)",
+          file=sys.stderr, flush=True)
     try:
         end = await client.cancel(session, turn_id, reason="toolbus chat was interrupted",
                                   timeout=_STOP_TURN_S)
+    except asyncio.CancelledError:  # interrupted again: left running, and said how to stop
+        print(f"toolbus: turn {turn_id} may still be running; stop it with: {how}",
+              file=sys.stderr, flush=True)
+        raise
     except Exception as exc:
-        print(f"\ntoolbus: turn {turn_id} may still be running ({exc}); stop it with: {how}",
+        print(f"toolbus: turn {turn_id} may still be running ({exc}); stop it with: {how}",
               file=sys.stderr, flush=True)
         return
     if isinstance(end, TurnCancelled):
-        print(f"\ntoolbus: interrupted: turn {turn_id} cancelled", file=sys.stderr,
-              flush=True)
+        print(f"toolbus: interrupted: turn {turn_id} cancelled", file=sys.stderr, flush=True)
     elif isinstance(end, RequestRejected):
         # Not known yet (its request still on its way), or already over.
-        print(f"\ntoolbus: interrupted: turn {turn_id} not cancelled "
+        print(f"toolbus: interrupted: turn {turn_id} not cancelled "
               f"({_printable(end.message)}); if it runs: {how}", file=sys.stderr, flush=True)
     else:
-        print(f"\ntoolbus: interrupted: turn {turn_id} had ended", file=sys.stderr, flush=True)
+        print(f"toolbus: interrupted: turn {turn_id} had ended", file=sys.stderr, flush=True)
 
 
 _STOP_TURN_S = 5.0

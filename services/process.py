@@ -8,9 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import errno
 import gc
-import io
 import os
 import signal
 import sys
@@ -91,18 +89,6 @@ def fill_std_fds() -> set[str]:
     return closed
 
 
-class ClosedOutput(io.TextIOWrapper):
-    """Standard output for a command started with it closed (`>&-`) whose output is what
-    it is for (`chat`, `replay`): writing fails as writing to a closed descriptor does, so
-    the command says so and fails, as `cat` does, instead of losing it and succeeding."""
-
-    def __init__(self) -> None:
-        super().__init__(open(os.devnull, "wb"))
-
-    def write(self, text: str) -> int:
-        raise OSError(errno.EBADF, "standard output is closed")
-
-
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
@@ -143,9 +129,23 @@ def die_with_parent() -> None:
 
     Either in the child before exec (a `preexec_fn`), or first thing in a child process
     (then check with `parent_is` that the parent did not die before this call)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):  # best effort: not every libc has prctl
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        with contextlib.suppress(Exception):  # best effort
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _find_prctl() -> Any:
+    """libc's prctl, looked up once here: in a `preexec_fn`, between fork and exec, the
+    child then only calls it (no loading of libraries there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not every libc has it
+        return None
+
+
+_prctl = _find_prctl()
 
 
 def parent_is(pid: int) -> bool:

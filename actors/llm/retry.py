@@ -128,8 +128,14 @@ def _without_pieces_of(text: str, key: str) -> str:
     if len(key) < 12:
         return text
     spans: list[tuple[int, int]] = []
-    for i in range(len(key) - _KEY_PIECE + 1):
-        window = key[i:i + _KEY_PIECE]
+    # Each distinct piece once (a key repeating itself would search a body once per
+    # repeat); only pieces that look random (a digit, or both cases): a placeholder key
+    # (`sk-no-key-required`) would otherwise take words out of every error ("required").
+    for window in dict.fromkeys(key[i:i + _KEY_PIECE]
+                                for i in range(len(key) - _KEY_PIECE + 1)):
+        if not (any(c.isdigit() for c in window) or
+                (any(c.islower() for c in window) and any(c.isupper() for c in window))):
+            continue
         at = text.find(window)
         while at != -1:
             spans.append((at, at + _KEY_PIECE))

@@ -86,15 +86,18 @@ async def _chat_as_a_careless_user(data: Path) -> None:
             'The tool answered: {"text":"first"}', 'The tool answered: {"text":"last"}']
         assert b"skipped a line that is not valid UTF-8 text" in piped.stderr
     # Started with its output closed (`>&-`): no abort (uvloop asserted on closing the
-    # socket that had taken the number of stdout), and the output it could not write is
-    # said to be lost, with status 1, as `cat` does (it was lost silently, with 0).
+    # socket that had taken the number of stdout), and refused before anything is done
+    # (its output was lost silently, with status 0; the turn ran all the same).
     for command in (("replay", "s1"), ("chat", "--session", "u4", "closed")):
         closed = await asyncio.to_thread(
             subprocess.run, ["bash", "-c", " ".join(toolbus_cmd(*command, *where)) +
                              " >&-"], capture_output=True, text=True, timeout=60, cwd=REPO)
-        assert closed.returncode == 1 and "Assertion" not in closed.stderr, closed.stderr
-        assert closed.stderr.strip().splitlines()[-1] == \
-            "toolbus: cannot write the output: standard output is closed", closed.stderr
+        assert closed.returncode == 2 and "Assertion" not in closed.stderr, closed.stderr
+        assert closed.stderr.strip().splitlines()[-1].startswith(
+            "toolbus: standard output is closed (`>&-`): what this command prints would "
+            "be lost"), closed.stderr
+    replayed = await asyncio.to_thread(run_toolbus, "replay", "u4", *where)
+    assert "turn.requested" not in replayed.stdout  # no turn was asked for
     # Ctrl-C at the interactive prompt ends it at once (a thread blocked reading stdin
     # kept it alive until another line came).
     proc = await asyncio.create_subprocess_exec(

@@ -208,8 +208,8 @@ def test_top_reads_an_empty_metrics_page_as_nothing_counted_yet() -> None:
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     try:
         done = run_toolbus("top", "--url", url, "--once", timeout=30)
-        # Its output unwritable (a full disk, stdout closed): one line and status 1, as
-        # every other command (both were tracebacks).
+        # Its output unwritable: a full disk is one line and status 1, stdout closed is
+        # refused at once, as for every other command (both were tracebacks).
         unwritable = [subprocess.run(
             ["bash", "-c", " ".join(toolbus_cmd("top", "--url", url, "--once")) + redirect],
             capture_output=True, text=True, timeout=30, cwd=REPO)
@@ -219,9 +219,11 @@ def test_top_reads_an_empty_metrics_page_as_nothing_counted_yet() -> None:
         server.server_close()
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("toolbus top")
-    for out in unwritable:
-        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-        assert out.stderr.startswith("toolbus: cannot write the output: "), out.stderr
+    full, closed = unwritable
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
+    assert full.stderr.startswith("toolbus: cannot write the output: "), full.stderr
+    assert closed.returncode == 2 and "Traceback" not in closed.stderr, closed.stderr
+    assert closed.stderr.startswith("toolbus: standard output is closed"), closed.stderr
 
 
 async def test_top_pointed_at_a_page_that_is_not_metrics_says_so(up: Up) -> None:
