@@ -379,15 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 130
         except BrokenPipeError:
-            with contextlib.suppress(OSError):  # `| head`: stop quietly
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return EXIT_OK
-        except OSError as exc:  # a full disk, a closed stdout: as every other command
-            with contextlib.suppress(OSError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            print(f"toolbus: cannot write the output: {exc.strerror or exc}",
-                  file=sys.stderr)
-            return EXIT_CALL_FAILED
+            return _reader_gone()
+        except OSError as exc:  # a full disk: as for every other command
+            return _output_lost(exc)
     if args.command == "bench" and args.what not in ("calls", "replay"):
         # These start their own nats-server and `toolbus up` (with their own manifest):
         # a flag they would ignore is refused, not silently dropped.
@@ -479,20 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly, and keep Python from failing
-        # again when it flushes stdout at exit.
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        return _reader_gone()
     except OSError as exc:  # writing the output failed (a full disk, a closed terminal)
         mapped = as_bus_error(exc)  # or a NATS timeout no command turned into ours
         if mapped is not None:
             print(f"toolbus: {mapped}", file=sys.stderr)
             return EXIT_BUS
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"toolbus: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_CALL_FAILED
+        return _output_lost(exc)
     except Exception as exc:
         mapped = as_bus_error(exc)  # a NATS error no command turned into one of ours
         if mapped is None:
@@ -500,6 +487,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"toolbus: {mapped}", file=sys.stderr)
         return EXIT_BUS
     return EXIT_USAGE
+
+
+def _stdout_to_devnull() -> None:
+    """Keep Python from failing again when it flushes stdout at exit."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _reader_gone() -> int:
+    """The reader went away (`| head`): stop quietly."""
+    _stdout_to_devnull()
+    return EXIT_OK
+
+
+def _output_lost(exc: OSError) -> int:
+    _stdout_to_devnull()
+    print(f"toolbus: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+    return EXIT_CALL_FAILED
 
 
 # The role each command connects as (bus/auth.py); the rest are clients.
