@@ -1,11 +1,14 @@
-"""The floor a benchmark compares toolbus with: raw JetStream and raw request/reply."""
+"""The floor a benchmark compares toolbus with: raw JetStream, raw request/reply, and a bare
+agent turn (its hops and model calls alone, between the same processes)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
@@ -39,6 +42,25 @@ async def raw_ops(bus: Bus, responder: Bus, payload: bytes) -> AsyncIterator[tup
         await bus.js.delete_stream("BENCH_RAW")
 
 
+async def _consume(bus: Bus, subject: str, durable: str,
+                   cb: Callable[[Msg], Awaitable[None]]) -> Any:
+    """A durable push consumer of new messages on `subject`, acked by `cb`."""
+    return await bus.js.subscribe(subject, durable=durable, cb=cb, manual_ack=True,
+                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
+                                                        deliver_policy=DeliverPolicy.NEW))
+
+
+async def _until_delivered(bus: Bus, waiting: dict[Any, asyncio.Future[None]], key: Any,
+                           subject: str, body: bytes) -> None:
+    """Publish `body` and wait (bounded) until `waiting[key]` is set by its last hop."""
+    done = waiting[key] = asyncio.get_running_loop().create_future()
+    try:
+        await bus.js.publish(subject, body)
+        await asyncio.wait_for(done, 10)
+    finally:
+        waiting.pop(key, None)
+
+
 @contextlib.asynccontextmanager
 async def raw_chain(bus: Bus, other: Bus, hops: int) -> AsyncIterator[Op]:
     """An op that is `hops` JetStream hops one after another, as an event-sourced step
@@ -63,20 +85,12 @@ async def raw_chain(bus: Bus, other: Bus, hops: int) -> AsyncIterator[Op]:
             if done is not None and not done.done():
                 done.set_result(None)
 
-    subs = [await c.js.subscribe(f"bench.chain.{i}.*", durable=f"bench-chain-{i}",
-                                 cb=on_msg, manual_ack=True,
-                                 config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                                       deliver_policy=DeliverPolicy.NEW))
+    subs = [await _consume(c, f"bench.chain.{i}.*", f"bench-chain-{i}", on_msg)
             for i, c in enumerate(conns)]
 
     async def op(i: int) -> None:
         key = str(i).encode()
-        done = waiting[key] = asyncio.get_running_loop().create_future()
-        try:
-            await bus.js.publish("bench.chain.0.0", key)
-            await asyncio.wait_for(done, 10)
-        finally:
-            waiting.pop(key, None)
+        await _until_delivered(bus, waiting, key, "bench.chain.0.0", key)
 
     try:
         yield op
@@ -85,3 +99,87 @@ async def raw_chain(bus: Bus, other: Bus, hops: int) -> AsyncIterator[Op]:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await bus.js.delete_stream("BENCH_CHAIN")
+
+
+# --- the bare agent turn ------------------------------------------------------------------
+#
+# The least a turn of `toolbus bench agent` can cost with its shape (the request, a model
+# call, a tool in another process, a model call, the end) when every step is a stored
+# event: four JetStream hops between the same processes (the client, an actor process, a
+# worker process), each delivered to a durable consumer, decoded, re-encoded, published
+# and acked, and the same two model round trips. Nothing else: no state, no checks.
+
+BARE_STREAM = "BENCH_BARE"
+BARE_PREFIX = "bench.bare"
+_BARE_CONSUMERS = {"actor": ("req", "result"), "worker": ("call",)}
+
+
+@contextlib.asynccontextmanager
+async def bare_stream(bus: Bus) -> AsyncIterator[None]:
+    """The stream the bare turn's hops are stored in, deleted afterwards."""
+    await bus.js.add_stream(StreamConfig(name=BARE_STREAM, subjects=[f"{BARE_PREFIX}.>"],
+                                         storage=StorageType.FILE))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            await bus.js.delete_stream(BARE_STREAM)
+
+
+async def serve_bare(bus: Bus, role: str, ready: Callable[[], None],
+                     ask: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """Consume the bare turn's hops of `role` until cancelled: `actor` answers a request
+    with the model's first round trip (`ask(0)`) and a call for the worker, the call's
+    result with the second (`ask(1)`) and the end; `worker` answers a call with its
+    result. `ready` is called once its consumers are made."""
+
+    async def on_msg(msg: Msg) -> None:
+        kind, key = msg.subject.rsplit(".", 2)[1:]
+        body = msgspec.json.decode(msg.data)
+        if kind == "req":
+            assert ask is not None
+            await ask(0)
+            nxt = "call"
+        elif kind == "call":
+            nxt = "result"
+        else:
+            assert ask is not None
+            await ask(1)
+            nxt = "done"
+        await bus.js.publish(f"{BARE_PREFIX}.{nxt}.{key}", msgspec.json.encode(body))
+        await msg.ack()
+
+    subs = [await _consume(bus, f"{BARE_PREFIX}.{kind}.*", f"bench-bare-{kind}", on_msg)
+            for kind in _BARE_CONSUMERS[role]]
+    ready()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+@contextlib.asynccontextmanager
+async def bare_client(bus: Bus) -> AsyncIterator[Op]:
+    """An op that is one bare turn: the request published, until its end is delivered
+    here (the stream and both other processes serving it)."""
+    waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def on_done(msg: Msg) -> None:
+        await msg.ack()
+        done = waiting.pop(msg.subject.rsplit(".", 1)[1], None)
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    sub = await _consume(bus, f"{BARE_PREFIX}.done.*", "bench-bare-done", on_done)
+
+    async def op(i: int) -> None:
+        await _until_delivered(bus, waiting, str(i), f"{BARE_PREFIX}.req.{i}",
+                               b'{"message":"say %d"}' % i)
+
+    try:
+        yield op
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from bus.auth import redact
-from bus.baseline import raw_chain, raw_ops
+from bus.baseline import bare_client, bare_stream, raw_chain, raw_ops
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
 from bus.eventlog import Append, EventLog
@@ -174,7 +174,9 @@ def _machine() -> dict[str, Any]:
 _PROCESS_KINDS = (("nats-server", "nats-server"), ("services.cli up", "toolbus up"),
                   (" actor worker", "toolbus workers"),
                   ("services.sample_llm", "model server"),
-                  ("services.sample_mcp", "MCP server"))
+                  ("services.sample_mcp", "MCP server"),
+                  ("services.bare_turn actor", "bare actor"),
+                  ("services.bare_turn worker", "bare worker"))
 
 
 def _cpu_seconds() -> dict[str, float]:
@@ -269,13 +271,39 @@ async def _server(nats_url: str | None, *, fsync: str) -> AsyncIterator[str]:
         yield nats_url
         return
     with tempfile.TemporaryDirectory(prefix="toolbus-bench-") as tmp:
-        server = EmbeddedServer(Path(tmp), port=free_port(), fsync=fsync)
+        server = EmbeddedServer(Path(tmp), port=free_port(), fsync=fsync,
+                                monitor_port=free_port())
         server.preexec = die_with_parent  # not left running if this process is killed
         server.start()
+        _MONITORS[server.url] = server.monitor_port
         try:
             yield server.url
         finally:
+            _MONITORS.pop(server.url, None)
             server.stop()
+
+
+# The monitoring port of each embedded server a benchmark started, by URL.
+_MONITORS: dict[str, int | None] = {}
+
+
+async def _messages(http: Any, url: str) -> tuple[int, int] | None:
+    """How many messages the embedded server at `url` has received and sent so far
+    (`/varz`: publishes, acks, API requests and replies, deliveries), or None for a server
+    this benchmark did not start."""
+    port = _MONITORS.get(url)
+    if port is None:
+        return None
+    varz = msgspec.json.decode((await http.get(f"http://127.0.0.1:{port}/varz")).content)
+    return int(varz["in_msgs"]), int(varz["out_msgs"])
+
+
+def _per_op(before: tuple[int, int] | None, after: tuple[int, int] | None,
+            n: int) -> dict[str, float]:
+    if before is None or after is None:
+        return {}
+    return {"in": round((after[0] - before[0]) / n, 1),
+            "out": round((after[1] - before[1]) / n, 1)}
 
 
 def _workers_args(workers: int | None) -> tuple[str, ...]:
@@ -596,6 +624,10 @@ AGENT_GOAL_FLAT = 0.10  # late turns of a session at most 10% slower than its fi
 # result to the planner, the last events to the client. (`model.requested` is stored
 # while the model is called, off the path.)
 AGENT_PATH_HOPS = 5
+# The hops of the bare turn (bus/baseline.py): the request, the call to the worker, its
+# result, the end; the turn's own hand-over from the session actor to the planner is in
+# process (the planner plans a turn as it is stored).
+AGENT_BARE_HOPS = 4
 # Sessions whose history grows in `bench agent`, turn by turn in rounds.
 AGENT_LONG_SESSIONS = 5
 
@@ -620,6 +652,46 @@ def _agent_manifest(port: int) -> str:
             f"    base_url: http://127.0.0.1:{port}/v1\n"
             "    api_key: ${SAMPLE_LLM_KEY:-}\n"
             "    max_retries: 0\n")
+
+
+@contextlib.asynccontextmanager
+async def _bare_turn(bus: Bus, url: str, model: str, bodies: list[bytes],
+                     env: dict[str, str]) -> AsyncIterator[Op]:
+    """The bare agent turn (bus/baseline.py) between an actor process and a worker process
+    started for it (services/bare_turn.py), sending `bodies` to the model at `model`;
+    stopped afterwards."""
+    with tempfile.TemporaryDirectory(prefix="toolbus-bench-bare-") as tmp:
+        bodies_file = Path(tmp, "bodies.json")
+        bodies_file.write_bytes(  # noqa: ASYNC240 - once, before anything is measured
+            b"[" + b",".join(bodies) + b"]")
+        async with bare_stream(bus), contextlib.AsyncExitStack() as procs:
+            for role, extra in (("worker", []), ("actor", ["--model", model, "--bodies",
+                                                         str(bodies_file)])):
+                errors = procs.enter_context(tempfile.TemporaryFile())
+                proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
+                    [sys.executable, "-m", "services.bare_turn", role, *extra],
+                    stdout=subprocess.PIPE, stderr=errors, text=True,
+                    preexec_fn=die_with_parent,
+                    env={**os.environ, **env, "PYTHONUNBUFFERED": "1", "NATS_URL": url})
+                procs.callback(_stop, proc)
+                assert proc.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+                if line.strip() != "ready":
+                    proc.wait(15)
+                    errors.seek(0)
+                    tail = errors.read()[-2000:].decode(errors="replace").strip()
+                    raise ConfigError(f"the bare turn's {role} did not start: "
+                                      f"{tail or line or 'no output'}")
+            async with bare_client(bus) as op:
+                yield op
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    if proc.poll() is None:
+        proc.kill()
 
 
 async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
@@ -720,10 +792,19 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         await measure("warm-up", direct_aiohttp(first), n=min(n, 50), concurrency=1)
         d_aiohttp = await measure("direct aiohttp, 2 model round trips",
                                   direct_aiohttp(first), n=n, concurrency=1)
-        cpu_before = _cpu_seconds()
+        async with _bare_turn(bus, url, f"{base}/v1/chat/completions", first,
+                              env) as bare_op:
+            await measure("warm-up", bare_op, n=min(n, 100), concurrency=1)
+            bare_cpu_before, bare_msgs_before = _cpu_seconds(), await _messages(http, url)
+            bare = await measure(f"bare turn: {AGENT_BARE_HOPS} hops, 2 model round trips",
+                                 bare_op, n=n, concurrency=1)
+            bare_cpu = _cpu_per_op(bare_cpu_before, _cpu_seconds(), n)
+            bare_msgs = _per_op(bare_msgs_before, await _messages(http, url), n)
+        cpu_before, msgs_before = _cpu_seconds(), await _messages(http, url)
         fresh = await measure("toolbus turn, fresh sessions",
                               turn_in(lambda i: f"agent-{run}-f{i}"), n=n, concurrency=1)
         cpu = _cpu_per_op(cpu_before, _cpu_seconds(), n)
+        msgs = _per_op(msgs_before, await _messages(http, url), n)
         # `turns` turns in each of a few sessions, in rounds (turn i of each, then turn
         # i + 1), each followed by a turn in a fresh session: the machine's speed drifts
         # over a run (other tenants), and a turn beside its fresh neighbour shows what
@@ -757,11 +838,13 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
                    concurrency=1)
     late = _stats(f"{sessions}, turns {late_span}", late_lat, seconds=sum(late_lat),
                   concurrency=1)
-    fresh_line = Line(fresh).beside(d_fresh, *LATENCY).beside(floors.js, *LATENCY)
+    fresh_line = Line(fresh).beside(d_fresh, *LATENCY).beside(bare, *LATENCY) \
+        .beside(floors.js, *LATENCY)
     early_line = Line(early).beside(d_fresh, *LATENCY)
     late_line = Line(late).beside(early, *LATENCY).beside(d_late, *LATENCY)
+    bare_line = Line(bare).beside(d_fresh, *LATENCY)
     lines = [*_floor_lines(floors), Line(chain).beside(floors.js, *LATENCY), Line(d_fresh),
-             Line(d_aiohttp), fresh_line, early_line, Line(d_late), late_line]
+             Line(d_aiohttp), bare_line, fresh_line, early_line, Line(d_late), late_line]
     overhead = fresh.p50_ms - d_fresh.p50_ms
     raw_flat = late_line.ratio("p50", early)
     # The goal's measure: each turn against the fresh-session turn right after it, late
@@ -785,6 +868,17 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         "path_hops": AGENT_PATH_HOPS,
         "raw_chain_p50_ms": round(chain.p50_ms, 3),
         "overhead_beyond_raw_chain_p50_ms": round(overhead - chain.p50_ms, 3),
+        # The bare turn: the same hops between the same kinds of processes and the same
+        # model round trips, nothing else; by the goal's measure, and what toolbus adds
+        # beyond it.
+        "bare_turn_p50_ms": round(bare.p50_ms, 3),
+        "bare_overhead_p50_ms": round(bare.p50_ms - d_fresh.p50_ms, 3),
+        "overhead_beyond_bare_p50_ms": round(fresh.p50_ms - bare.p50_ms, 3),
+        "cpu_per_bare_turn_ms": bare_cpu,
+        # Messages nats-server received and sent per turn, toolbus's and the bare one's
+        # (empty on a server this benchmark did not start).
+        "messages_per_turn": msgs,
+        "messages_per_bare_turn": bare_msgs,
         # Against the same round trips sent with the planner's own HTTP client instead.
         "direct_aiohttp_p50_ms": round(d_aiohttp.p50_ms, 3),
         "overhead_vs_aiohttp_p50_ms": round(fresh.p50_ms - d_aiohttp.p50_ms, 3),
@@ -831,6 +925,12 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"The planner sends its model calls with aiohttp, which takes "
           f"{d_aiohttp.p50_ms:.2f} ms for the same round trips: against that, toolbus adds "
           f"{report['overhead_vs_aiohttp_p50_ms']} ms.")
+    print(f"A bare turn, the same {AGENT_BARE_HOPS} stored hops between the same kinds of "
+          f"processes (this client, an actor process, a worker process) and the same two "
+          f"model round trips with nothing else done (no state, no checks, no other "
+          f"events), takes {bare.p50_ms:.2f} ms: the goal's measure of it (its p50 minus "
+          f"the direct httpx round trips) is {report['bare_overhead_p50_ms']} ms, and a "
+          f"toolbus turn takes {report['overhead_beyond_bare_p50_ms']} ms more than it.")
     print(f"{sessions}, {turns} turns each: turns {late_span} p50 / turns {early_span} = "
           f"{report['late_turns_p50_vs_early']}x (flat is 1.0x); toolbus adds "
           f"{report['early_overhead_p50_ms']} ms early, {report['late_overhead_p50_ms']} ms "
@@ -847,6 +947,14 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
             f"; {cpu['all']:.2f} ms in all, so at least {spread:.2f} ms per turn on "
             f"{machine['cpus_usable']} CPUs even if perfectly spread (/proc counts in "
             f"{tick:g} ms ticks: each figure +-{tick / n:.2g} ms at n {n})")
+    if msgs and bare_msgs:
+        print(f"Messages through nats-server per turn (received, sent: publishes, acks, "
+              f"API requests and replies, deliveries): toolbus {msgs['in']:g}, "
+              f"{msgs['out']:g}; the bare turn {bare_msgs['in']:g}, {bare_msgs['out']:g}")
+    if bare_cpu:
+        print("CPU per bare turn: " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in bare_cpu.items() if k != "all") +
+            f"; {bare_cpu['all']:.2f} ms in all")
     print(f"goals: overhead p50 <= {AGENT_GOAL_OVERHEAD_MS:g} ms "
           f"({'met' if goal['overhead_met'] else 'MISSED'}), late turns at most "
           f"{AGENT_GOAL_FLAT:.0%} slower than early, beside fresh turns "
