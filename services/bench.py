@@ -58,6 +58,7 @@ from schemas.ids import (
 )
 from schemas.state import fold
 from schemas.tools import pool_route
+from services.config import usable_cpus
 from services.process import die_with_parent
 
 Op = Callable[[int], Awaitable[None]]
@@ -165,7 +166,7 @@ def _print_lines(lines: list[Line]) -> None:
 
 def _machine() -> dict[str, Any]:
     cpus = os.cpu_count() or 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    usable = usable_cpus()
     return {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": cpus,
             "cpus_usable": usable}
 

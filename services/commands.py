@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help="processes: this one runs the session and approval actors, N-1 "
                         "workers run the executors and MCP connectors (default: one per "
-                        f"core, here {default_workers()}; 1 runs everything in one process)")
+                        f"usable core, here {default_workers()}; 1 runs everything in one "
+                        "process)")
     _add_fsync(p)
     _add_actor_options(p)
 

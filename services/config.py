@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +58,49 @@ def default_data_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_data_dir("toolbus"))
 
 
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may run on: the machine's, narrowed by its CPU affinity
+    (`taskset`, a cpuset) and by a cgroup CPU quota (a container's CPU limit, cgroup v2
+    `cpu.max` or v1 `cpu.cfs_quota_us`), rounded up; at least 1. `os.cpu_count()` is the
+    host's: in a container limited to 2 CPUs on a 64-core host it says 64."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    quota = _cgroup_quota(cgroup)
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs' worth of time per period a cgroup quota allows, None without one."""
+    try:
+        text = (root / "cpu.max").read_text().split()  # v2: "<quota|max> <period>"
+        if len(text) == 2 and text[0] != "max" and int(text[1]) > 0:
+            return int(text[0]) / int(text[1])
+        if text:
+            return None
+    except (OSError, ValueError):
+        pass
+    for v1 in (root / "cpu", root / "cpu,cpuacct"):
+        try:
+            quota = int((v1 / "cpu.cfs_quota_us").read_text())
+            period = int((v1 / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
 def default_workers() -> int:
-    """`toolbus up --workers`: one process per core (the parent's session and approval
-    actors, and a worker with the executors on each other core)."""
-    return max(1, os.cpu_count() or 1)
+    """`toolbus up --workers`: one process per usable core (the parent's session and
+    approval actors, and a worker with the executors on each other core)."""
+    return usable_cpus()
 
 
 def max_workers() -> int:
-    """The most `toolbus up --workers` takes: four processes per core (at least 8)."""
-    return max(8, 4 * (os.cpu_count() or 1))
+    """The most `toolbus up --workers` takes: four processes per usable core (at least
+    8)."""
+    return max(8, 4 * usable_cpus())
 
 
 @dataclass(frozen=True, slots=True)

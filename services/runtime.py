@@ -37,6 +37,7 @@ from services.config import (
     max_workers,
     subprocess_path,
     tool_secrets,
+    usable_cpus,
 )
 from services.metrics import LagPoller, MetricsServer, install_metrics, serve_metrics
 from services.process import EXIT_BUS, die_with_parent, parent_is, run
@@ -543,7 +544,7 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
         raise ConfigError(f"--workers {workers}: give 1 (everything in this process) or more")
     if workers > (most := max_workers()):
         raise ConfigError(
-            f"--workers {workers}: at most {most} on this machine ({os.cpu_count() or 1} "
+            f"--workers {workers}: at most {most} here ({usable_cpus()} usable "
             "cores, up to 4 processes each); each worker is a whole Python process with every "
             "executor pool and MCP connection, and more than the cores can run only compete. "
             "For more calls at once, raise --max-in-flight (calls each process runs at once)")
