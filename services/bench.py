@@ -32,7 +32,7 @@ from bus.eventlog import Append, EventLog
 from bus.server import EmbeddedServer, free_port
 from bus.streams import provision
 from schemas.defaults import LEASE_RENEW_S
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, WorkerError
 from schemas.events import (
     CallApproved,
     CallDispatched,
@@ -666,6 +666,7 @@ async def _bare_turn(bus: Bus, url: str, model: str, bodies: list[bytes],
         bodies_file.write_bytes(  # noqa: ASYNC240 - once, before anything is measured
             b"[" + b",".join(bodies) + b"]")
         async with bare_stream(bus), contextlib.AsyncExitStack() as procs:
+            started: list[tuple[str, subprocess.Popen[str], Any]] = []
             for role, extra in (("worker", []), ("actor", ["--model", model, "--bodies",
                                                          str(bodies_file)])):
                 errors = procs.enter_context(tempfile.TemporaryFile())
@@ -675,6 +676,7 @@ async def _bare_turn(bus: Bus, url: str, model: str, bodies: list[bytes],
                     preexec_fn=die_with_parent,
                     env={**os.environ, **env, "PYTHONUNBUFFERED": "1", "NATS_URL": url})
                 procs.callback(_stop, proc)
+                started.append((role, proc, errors))
                 assert proc.stdout is not None
                 line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
                 if line.strip() != "ready":
@@ -683,7 +685,22 @@ async def _bare_turn(bus: Bus, url: str, model: str, bodies: list[bytes],
                     tail = errors.read()[-2000:].decode(errors="replace").strip()
                     raise ConfigError(f"the bare turn's {role} did not start: "
                                       f"{tail or line or 'no output'}")
-            async with bare_client(bus) as op:
+            async with bare_client(bus) as bare_op:
+                async def op(i: int) -> None:
+                    try:
+                        await bare_op(i)
+                    except TimeoutError:
+                        for role, proc, errors in started:
+                            if proc.poll() is not None:  # not NATS's fault: say whose
+                                errors.seek(0)
+                                tail = errors.read()[-500:].decode(errors="replace").strip()
+                                raise WorkerError(
+                                    f"bare-turn {role}", proc.returncode,
+                                    f"exited (status {proc.returncode}) while the bare "
+                                    f"turn was measured{': ' + tail if tail else ''}"
+                                ) from None
+                        raise
+
                 yield op
 
 
