@@ -310,6 +310,9 @@ class Kernel:
 
 # --- session states ---------------------------------------------------------------------
 
+# Sessions a `SessionStates` remembers having dropped from memory, at least.
+_DROPPED_KEPT = 100_000
+
 # The session states folded from each log, so the end of a turn stored through it finds
 # when the turn was requested (its duration) without another read.
 _STATES_OF_LOG: weakref.WeakKeyDictionary[EventLog, weakref.WeakSet[SessionStates]] = \
@@ -384,6 +387,11 @@ class SessionStates:
         self._new: dict[str, asyncio.Future[None]] = {}
         # Sessions being loaded when an event of theirs was handed back (`handed_back`).
         self._handed_back_loading: dict[str, int] = {}
+        # Sessions dropped from memory (evicted, or forgotten with a partition), by hash:
+        # never taken as new again (`assume_new`), since they have a past. Their first
+        # write would conflict, and a planner turn planned on the assumption would have
+        # asked the model a question without the conversation, then dropped it.
+        self._dropped: OrderedDict[int, None] = OrderedDict()
         _STATES_OF_LOG.setdefault(log, weakref.WeakSet()).add(self)
 
     async def entry(self, sid: str, *, at_least: int = 0) -> Entry:
@@ -455,7 +463,7 @@ class SessionStates:
         session. Then `adopt` it; on a conflict (the session has a past) `abandon` it and
         load the session with `entry`. Single server only (see `_copy_of_peer`)."""
         if sid in self._cache or sid in self._loading or sid in self._new or \
-                self._log.replicated:
+                self._log.replicated or hash(sid) in self._dropped:
             return None
         entry = Entry(SessionState(session_id=sid))
         entry.caught_up.set()
@@ -521,7 +529,7 @@ class SessionStates:
         process writes them now), but for any being decided right now."""
         for sid in [s for s in self._cache if not keep(s)]:
             if not self._cache[sid].lock.locked():
-                del self._cache[sid]
+                self._drop(sid)
 
     def forget_partition(self, part: int) -> None:
         """`forget` the sessions of partition `part`."""
@@ -571,7 +579,16 @@ class SessionStates:
             if entry.lock.locked():
                 self._cache.move_to_end(sid)
                 return
-            del self._cache[sid]
+            self._drop(sid)
+
+    def _drop(self, sid: str) -> None:
+        """Take the session out of memory, remembering it had a past (bounded: a session
+        forgotten there, or a hash shared, is read before its first write, as ever)."""
+        del self._cache[sid]
+        self._dropped[hash(sid)] = None
+        self._dropped.move_to_end(hash(sid))
+        while len(self._dropped) > max(_DROPPED_KEPT, 4 * self._size):
+            self._dropped.popitem(last=False)
 
     def fold(self, entry: Entry, seq: int, event: Event | None) -> None:
         self._fold(entry, seq, event)

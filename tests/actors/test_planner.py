@@ -153,12 +153,13 @@ async def planner(bus: Bus, system: dict[str, Any], model: ScriptedChat
     await p.stop()
 
 
-async def _quiet_planner_consumer(bus: Bus, sid: str) -> int:
-    """How many messages the planner's consumer of `sid`'s partition has delivered, once
-    it has none pending or unacknowledged (bounded)."""
+async def _quiet_planner_consumer(bus: Bus, sid: str, actor: str = "planner") -> int:
+    """How many messages the planner's consumer of `sid`'s partition (or the session
+    actor's events consumer, `actor="session-events"`) has delivered, once it has none
+    pending or unacknowledged (bounded)."""
     from bus.subjects import EVENTS_STREAM, partition
 
-    durable = f"planner-p{partition(sid, bus.partitions)}"
+    durable = f"{actor}-p{partition(sid, bus.partitions)}"
     async with asyncio.timeout(15):
         while True:
             info = await bus.js.consumer_info(EVENTS_STREAM, durable)
@@ -191,6 +192,47 @@ async def test_a_turn_is_planned_as_the_session_actor_of_its_process_stores_it(
     # Planned from the session actor's hand, not from the stream's delivery one hop
     # later (which came too, and found the turn planned).
     assert planner.early_turns == before + 1
+
+
+async def test_a_session_dropped_from_memory_is_not_taken_as_new_by_its_next_turn(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
+        system: dict[str, Any]) -> None:
+    # Evicted (more sessions than the cache holds) or forgotten with a partition, a
+    # session is read before its next turn, not assumed new: the turn planned on that
+    # assumption asked the model a question without the conversation (a paid request),
+    # then dropped it when the session's first write conflicted.
+    model.script = [(200, reply("Hello."))]
+    end = await client.ask(sid, "Hi.")
+    assert isinstance(end, TurnCompleted) and end.text == "Hello.", end
+    for actor in ("session-events", "planner"):  # no event of it left to come
+        await _quiet_planner_consumer(bus, sid, actor)
+    for states in (system["session"].states, planner.states):
+        async with asyncio.timeout(5):
+            while (entry := states.peek(sid)) is not None and entry.lock.locked():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        states.forget(lambda s: s != sid)
+        assert states.peek(sid) is None
+    model.received.clear()
+    model.script = [(200, reply("Hello again.")), (200, reply("Hello again."))]
+    # Each question the planner starts asking (whether or not the server gets it before
+    # it is dropped: that is a matter of microseconds), with the user messages it holds.
+    asked: list[list[str]] = []
+    real_start = planner._start_call
+
+    def start(ask: Any) -> Any:
+        asked.append([m.text for m in ask.messages if m.role == "user"])
+        return real_start(ask)
+
+    planner._start_call = start  # type: ignore[method-assign]
+    try:
+        end = await client.ask(sid, "Hi again.")
+    finally:
+        planner._start_call = real_start  # type: ignore[method-assign]
+        model.script.clear()
+    assert isinstance(end, TurnCompleted) and end.text == "Hello again.", end
+    # One question, and it held the conversation.
+    assert asked == [["Hi.", "Hi again."]], asked
+    assert len(model.received) == 1
 
 
 async def test_a_turn_planned_as_it_is_stored_leaves_nothing_when_the_store_fails(

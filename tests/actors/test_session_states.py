@@ -329,3 +329,22 @@ async def test_a_state_behind_an_event_handed_back_reads_the_log_past_it(
         with pytest.raises(BusError, match=f"seq {last + 1_000}"):
             await states.read_past_handed_back(entry, attempts=2)
     assert entry.behind
+
+
+async def test_a_session_evicted_from_memory_is_read_again_not_taken_as_new(
+        bus: Bus, sid: str) -> None:
+    # More sessions than the cache holds: the one evicted has a past, so its next request
+    # reads it instead of writing on the assumption that it is new (and conflicting).
+    log = EventLog(bus)
+    states = SessionStates(bus, log, size=1)
+    first = states.assume_new(sid)
+    assert first is not None
+    async with first.lock:
+        await states.write(first, [Append(RequestRejected(
+            session_id=sid, at=0.0, actor="test", reason="test", message="first"),
+            f"{sid}:test:first")])
+    states.adopt(first)
+    other = await states.entry(f"{sid}-other")  # evicts the first
+    assert states.peek(sid) is None and states.peek(other.state.session_id) is other
+    assert states.assume_new(sid) is None
+    assert (await states.entry(sid)).state.last_seq == first.state.last_seq
