@@ -310,8 +310,8 @@ class Kernel:
 
 # --- session states ---------------------------------------------------------------------
 
-# Sessions a `SessionStates` remembers having dropped from memory, at least.
-_DROPPED_KEPT = 100_000
+# Sessions a `SessionStates` remembers having dropped from memory, per session it holds.
+_DROPPED_PER_HELD = 4
 
 # The session states folded from each log, so the end of a turn stored through it finds
 # when the turn was requested (its duration) without another read.
@@ -587,7 +587,7 @@ class SessionStates:
         del self._cache[sid]
         self._dropped[hash(sid)] = None
         self._dropped.move_to_end(hash(sid))
-        while len(self._dropped) > max(_DROPPED_KEPT, 4 * self._size):
+        while len(self._dropped) > _DROPPED_PER_HELD * self._size:
             self._dropped.popitem(last=False)
 
     def fold(self, entry: Entry, seq: int, event: Event | None) -> None:
