@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from actors.llm.convert import model_json
-from actors.llm.transport import MAX_CALLS_PER_REPLY
+from actors.llm.transport import MAX_CALL_ID_CHARS, MAX_CALLS_PER_REPLY
 from actors.llm.types import Message
 from schemas.events import ModelToolCall, clip
 from schemas.ids import call_id_for
@@ -83,7 +83,18 @@ def read_composed(text: str, validator: Validator, *, turn_id: str, base: int,
         return text, [], [f"$.calls: {len(value['calls'])} calls; at most "
                           f"{MAX_CALLS_PER_REPLY} in one answer"]
     calls: list[ModelToolCall] = []
-    for raw in value.get("calls") or []:
+    raws = value.get("calls") or []
+    # What the schema should have ensured, checked again: the schema is only as strict as
+    # the tools' own (a tool taking anything makes its variant take anything), and a
+    # name that is not a string would make every event of the turn unreadable.
+    bad = [f"$.calls[{i}]: a call is an object whose `_tool` is the name of a tool "
+           f"offered (a string of at most {MAX_CALL_ID_CHARS} characters)"
+           for i, raw in enumerate(raws)
+           if not isinstance(raw, dict) or not isinstance(raw.get("_tool"), str)
+           or not 0 < len(raw["_tool"]) <= MAX_CALL_ID_CHARS]
+    if bad:
+        return text, [], bad[:20]
+    for raw in raws:
         name = raw["_tool"]
         # The composed schema's own keys out; a tool's parameters stay (`_id` is a name).
         arguments = {k: v for k, v in raw.items() if k not in _CALL_KEYS}

@@ -15,7 +15,7 @@ from bus.client import ToolbusClient
 from bus.connection import Bus
 from schemas.events import TurnCompleted, TurnFailed
 from tests.actors.test_planner import ScriptedChat, reply
-from tests.actors.test_planner_latent import _composed_planner
+from tests.actors.test_planner_latent import _composed_planner, _settings
 
 NESTED = "[" * 5000 + "]" * 5000
 
@@ -192,3 +192,43 @@ async def test_a_composed_answer_may_not_ask_for_more_calls_than_a_native_reply(
     assert isinstance(end, TurnCompleted) and end.text == "ok", end
     assert end.outcomes == [], f"{len(end.outcomes)} calls ran from one composed answer"
     assert "calls" in model.received[1]["messages"][-1]["content"]
+
+
+@pytest.mark.parametrize("calls", [[{"_tool": 5}], ["x"], [{}], [{"_tool": {"a": 1}}],
+                                   [{"_tool": "x" * 600}]])
+async def test_a_composed_answer_with_calls_and_no_tool_offered_goes_back_to_the_model(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str, calls: list[Any]) -> None:
+    from bus.eventlog import EventLog
+
+    # No tool offered (an agent granted nothing, no executor live): the composed schema
+    # then allows no call at all. A call there, whatever its shape, is a violation sent
+    # back; it was read as a call named 5, and every event of the turn stored unreadable.
+    p = Planner(bus, system["catalog"], _settings(model),
+                rules=Rules(mode="composed", max_output_retries=1), tools=lambda spec: False)
+    await p.start()
+    try:
+        model.script = [(200, reply(json.dumps({"output": None, "calls": calls}))),
+                        (200, reply(json.dumps({"output": "ok", "calls": []})))]
+        end = await client.ask(sid, "Go.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "ok" and end.outcomes == [], end
+    assert "calls" in model.received[1]["messages"][-1]["content"]
+    stored = await EventLog(bus).read_session(sid)
+    assert all(s.event is not None for s in stored), [s.error for s in stored]
+
+
+def test_read_composed_refuses_calls_that_are_not_named_objects_whatever_the_schema(
+) -> None:
+    from actors.composed import read_composed
+    from schemas.validation import Validator
+
+    # A schema as loose as a tool's own can be (a variant taking anything): the reader
+    # still takes only objects named by a string.
+    loose = Validator({"type": "object"})
+    for calls in ([{"_tool": 5}], ["x"], [{}], [{"_tool": ""}], [{"_tool": "y" * 513}]):
+        text = json.dumps({"output": None, "calls": calls})
+        _, got, violations = read_composed(text, loose, turn_id="t1", base=0,
+                                           emit_output=None, wrapped=False)
+        assert got == [] and violations and violations[0].startswith("$.calls[0]"), calls
