@@ -169,6 +169,8 @@ _CONSUMED = ("turn.requested", "call.succeeded", "call.failed", "call.rejected",
 _NARROW_AFTER_S = 10.0
 _NO_COMPRESSION = Compression()  # the defaults, when no compressor runs
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
+# The most text one live delta message carries (at most 4 bytes a character in UTF-8).
+_DELTA_CHARS = 64 * 1024
 # How long a turn planned as it is stored (`early_turn`) waits for the store's outcome.
 _EARLY_WAIT_S = 60.0
 
@@ -1987,10 +1989,21 @@ class Planner:
         nc = self._bus.nc
 
         async def publish(text: str, *, reset: bool = False) -> None:
-            body = _encode({"type": "model.delta", "turn_id": asked.turn_id,
-                            "iteration": asked.iteration, "text": text,
-                            **({"reset": True} if reset else {})})
-            await nc.publish(subject, body)
+            # A delta is shown, not stored: one too large for a message (a model can send
+            # megabytes in one) goes in pieces, and one that cannot be published is lost
+            # to the watchers only, never the end of the model call (which would be taken
+            # for a bus error, and the whole question asked again).
+            pieces = [text[i:i + _DELTA_CHARS] for i in range(0, len(text), _DELTA_CHARS)]
+            for i, piece in enumerate(pieces or [""]):
+                body = _encode({"type": "model.delta", "turn_id": asked.turn_id,
+                                "iteration": asked.iteration, "text": piece,
+                                **({"reset": True} if reset and i == 0 else {})})
+                try:
+                    await nc.publish(subject, body)
+                except Exception as exc:
+                    log.debug("planner: session %s: a text delta was not published: %s",
+                              sid, exc)
+                    return
 
         return publish
 

@@ -607,6 +607,35 @@ async def test_text_deltas_are_published_live_and_not_stored(
                                         for s in await EventLog(bus).read_session(sid))
 
 
+async def test_a_text_delta_too_large_for_one_message_goes_in_pieces(
+        bus: Bus, planner: Planner, sid: str) -> None:
+    # A model may stream megabytes in one delta; NATS takes at most its max payload in a
+    # message. Published in pieces, it is never an error of the model call (which was
+    # taken for a bus error and the whole question asked again, each redelivery).
+    deltas: list[dict[str, Any]] = []
+    got = asyncio.Event()
+
+    async def on_delta(msg: Any) -> None:
+        deltas.append(json.loads(msg.data))
+        if sum(len(d["text"]) for d in deltas) >= len(text):
+            got.set()
+
+    text = "ab" * (bus.nc.max_payload // 2 + 1000)  # over the max payload by itself
+    asked = ModelRequested(session_id=sid, at=0.0, actor="planner", turn_id="t-1",
+                           iteration=2, provider="openai", model="m", tools=0,
+                           tools_digest="")
+    sub = await bus.nc.subscribe(f"toolbus.live.{sid}.model.delta", cb=on_delta)
+    try:
+        publish = planner._delta_publisher(sid, asked)
+        await publish(text, reset=True)
+        await asyncio.wait_for(got.wait(), 10)
+    finally:
+        await sub.unsubscribe()
+    assert "".join(d["text"] for d in deltas) == text and len(deltas) > 1
+    assert [d.get("reset", False) for d in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert {(d["turn_id"], d["iteration"]) for d in deltas} == {("t-1", 2)}
+
+
 @contextlib.asynccontextmanager
 async def _waiting_for_a_human(bus: Bus, system: dict[str, Any], client: ToolbusClient,
                                model: ScriptedChat, sid: str, *answers: Any
