@@ -89,6 +89,7 @@ from bus.subjects import (
 from bus.tasks import stop_task
 from schemas.defaults import (
     DECIDE_ATTEMPTS,
+    MAX_EVENT_BYTES,
     PARTITION_ACK_WAIT_S,
     SESSION_CACHE_SIZE,
 )
@@ -117,6 +118,7 @@ from schemas.events import (
     TurnReevaluated,
     TurnRequested,
     clip,
+    encode_event,
 )
 from schemas.ids import (
     call_id_for,
@@ -169,6 +171,9 @@ _CONSUMED = ("turn.requested", "call.succeeded", "call.failed", "call.rejected",
 _NARROW_AFTER_S = 10.0
 _NO_COMPRESSION = Compression()  # the defaults, when no compressor runs
 _WHOLE_CALL_ATTEMPTS = 2  # a stream that broke after some text is asked again once
+# The largest structured output (`built-in:emit_output`) taken, as JSON: the turn's end
+# holds it with the outcomes of the turn's calls, in one event.
+MAX_OUTPUT_BYTES = 128 * 1024
 # The most text one live delta message carries (at most 4 bytes a character in UTF-8).
 _DELTA_CHARS = 64 * 1024
 # How long a turn planned as it is stored (`early_turn`) waits for the store's outcome.
@@ -281,7 +286,12 @@ class Rules:
         arguments, violations = validator.check(call.arguments)
         if violations:
             return None, [str(v) for v in violations]
-        return (arguments["output"] if _wrapped(self.output_schema) else arguments), []
+        output = arguments["output"] if _wrapped(self.output_schema) else arguments
+        size = len(_encode(output))
+        if size > MAX_OUTPUT_BYTES:  # told, so that it can give a shorter one
+            return None, [f"$: the output is {size:,} bytes as JSON; at most "
+                          f"{MAX_OUTPUT_BYTES:,} (it is stored with the turn's end)"]
+        return output, []
 
 
 DEFAULT_RULES = Rules()
@@ -657,12 +667,34 @@ def _think_due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
 
 def _complete(state: SessionState, turn: TurnState, text: str, output: Any,
               now: float) -> Append:
+    """The turn's end with its answer. One over what an event holds (its outcomes and a
+    long answer together) keeps a structured output whole and leaves its text (the same
+    output as JSON) out, or clips a text answer, saying where the whole of it is (the
+    last `model.responded`); an output too large even alone ends the turn
+    `answer_too_large`."""
     sid = state.session_id
-    return Append(TurnCompleted(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
-                                request_id=turn.request_id, ok=True,
-                                outcomes=turn_outcomes(state, turn), text=text,
-                                output=output),
-                  turn_ended_id(sid, turn.turn_id))
+    event = TurnCompleted(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
+                          request_id=turn.request_id, ok=True,
+                          outcomes=turn_outcomes(state, turn), text=text, output=output)
+    size = len(encode_event(event))
+    if size > MAX_EVENT_BYTES and output is not None:
+        event = msgspec.structs.replace(event, text="")
+    elif size > MAX_EVENT_BYTES:
+        marker = " [clipped: the whole answer is the turn's last model.responded]"
+        room = MAX_EVENT_BYTES - len(encode_event(msgspec.structs.replace(event, text="")))
+        for budget in (room - len(marker) - 64, (room - len(marker)) // 2,
+                       (room - len(marker)) // 6):
+            cut = text.encode()[:max(budget, 0)].decode(errors="ignore") + marker
+            event = msgspec.structs.replace(event, text=cut)
+            if len(encode_event(event)) <= MAX_EVENT_BYTES:
+                break
+    size = len(encode_event(event))
+    if size > MAX_EVENT_BYTES:
+        return _fail(state, turn, "answer_too_large",
+                     f"the turn's end with its answer and the outcomes of its "
+                     f"{len(event.outcomes)} calls is {size:,} bytes, over the "
+                     f"{MAX_EVENT_BYTES:,} an event holds", now)
+    return Append(event, turn_ended_id(sid, turn.turn_id))
 
 
 def _fail(state: SessionState, turn: TurnState, reason: str, message: str,

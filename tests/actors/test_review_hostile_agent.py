@@ -232,3 +232,71 @@ def test_read_composed_refuses_calls_that_are_not_named_objects_whatever_the_sch
         _, got, violations = read_composed(text, loose, turn_id="t1", base=0,
                                            emit_output=None, wrapped=False)
         assert got == [] and violations and violations[0].startswith("$.calls[0]"), calls
+
+
+async def test_an_output_too_large_for_the_turns_end_goes_back_to_the_model(
+        bus: Bus, client: ToolbusClient, system: dict[str, Any], model: ScriptedChat,
+        sid: str) -> None:
+    from actors.planner import MAX_OUTPUT_BYTES
+
+    # Valid against the schema and small enough for the model's reply, but the turn's end
+    # holds it with the outcomes: it was accepted, and the turn then failed `internal`.
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}}
+    p = await _composed_planner(bus, system, model, Rules(output_schema=schema))
+    try:
+        model.script = [
+            (200, reply(calls=[("e1", "built-in__emit_output",
+                                {"s": "x" * (MAX_OUTPUT_BYTES + 10_000)})])),
+            (200, reply(calls=[("e2", "built-in__emit_output", {"s": "short"})])),
+        ]
+        end = await client.ask(sid, "Go.", timeout=30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.output == {"s": "short"}, end
+    (refusal,) = [m for m in model.received[1]["messages"] if m["role"] == "tool"]
+    assert "bytes as JSON; at most" in refusal["content"]
+
+
+def _turn_with_outcomes(n: int, message_chars: int) -> tuple[Any, Any]:
+    from schemas.events import CallFailed, CallRequested, TurnRequested
+    from schemas.state import SessionState, evolve
+
+    state = SessionState(session_id="s1")
+    calls = [f"t1-{i}" for i in range(n)]
+    events: list[Any] = [TurnRequested(session_id="s1", at=0.0, actor="session",
+                                       turn_id="t1", request_id="r1", call_ids=calls,
+                                       message="go")]
+    for c in calls:
+        events += [CallRequested(session_id="s1", at=0.0, actor="planner", call_id=c,
+                                 turn_id="t1", tool="x:" + "y" * 500, arguments={}),
+                   CallFailed(session_id="s1", at=0.0, actor="executor", call_id=c,
+                              turn_id="t1", error_type="boom", message="m" * message_chars)]
+    for seq, event in enumerate(events, start=1):
+        evolve(state, event, seq)
+    return state, state.turns["t1"]
+
+
+def test_a_turns_end_over_an_events_size_keeps_its_output_clips_its_text_or_fails() -> None:
+    from actors.planner import _complete
+    from schemas.defaults import MAX_EVENT_BYTES
+    from schemas.events import TurnFailed, encode_event
+
+    state, turn = _turn_with_outcomes(64, 1000)
+    # A structured output whose JSON text would not fit beside it: the text is left out.
+    output = {"s": "o" * 120_000}
+    end = _complete(state, turn, json.dumps(output), output, 1.0).event
+    assert isinstance(end, TurnCompleted) and end.output == output and end.text == ""
+    assert len(encode_event(end)) <= MAX_EVENT_BYTES
+    # A text answer: clipped to fit, saying so and where the whole of it is.
+    end = _complete(state, turn, "é" * 200_000, None, 1.0).event
+    assert isinstance(end, TurnCompleted) and len(encode_event(end)) <= MAX_EVENT_BYTES
+    assert end.text.startswith("é" * 1000) and end.text.endswith("model.responded]")
+    # An output too large even alone: the turn fails, saying why.
+    big = {"s": "o" * MAX_EVENT_BYTES}
+    failed = _complete(state, turn, json.dumps(big), big, 1.0).event
+    assert isinstance(failed, TurnFailed) and failed.reason == "answer_too_large"
+    assert "an event holds" in failed.message
+    # Under the limit, nothing changes.
+    small, small_turn = _turn_with_outcomes(1, 10)
+    end = _complete(small, small_turn, '{"s": "o"}', {"s": "o"}, 1.0).event
+    assert isinstance(end, TurnCompleted) and end.text == '{"s": "o"}'
