@@ -92,6 +92,8 @@ def decide(call: CallRequested, tools: CompiledTools, policy: Policy, *, now: fl
                             turn_id=call.turn_id, tool=tool, reason=reason,
                             message=clip(message), rule=rule)
 
+    if call.refused is not None:  # its writer refused it already: stored alike
+        return reject(call.refused.reason, call.refused.rule, call.refused.message)
     try:
         split_tool_name(tool)
     except InvalidIdError as exc:

@@ -111,6 +111,7 @@ from schemas.events import (
     OutputEmitted,
     OutputRejected,
     PoliciesMatched,
+    Refusal,
     ThinkRequest,
     TurnCancelled,
     TurnCompleted,
@@ -480,25 +481,28 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
     for c in real:
         if c.call_id not in state.calls:
             arguments, transform, bad_transform = split_transform(c.arguments)
+            refused: Refusal | None = None
+            if bad_transform is not None:
+                refused = Refusal(reason="invalid_arguments", rule="planner:transform",
+                                  message=bad_transform)
+            elif offered is not None and c.name not in offered:
+                listed = ", ".join(sorted(offered)[:40]) or "none"
+                refused = Refusal(reason="tool_not_offered", rule="planner:offered",
+                                  message=clip(f"{c.name} is not one of the tools offered "
+                                               f"to you in this turn; call one of: {listed}"))
+            # The refusal rides on the request too: an approval actor deciding the call
+            # before the rejection is stored (in another process) refuses it alike.
             out.append(Append(CallRequested(
                 session_id=sid, at=now, actor=ACTOR, call_id=c.call_id, turn_id=turn.turn_id,
                 tool=c.name, arguments=arguments, agent=turn.agent, transform=transform,
-                output_path=output_path_for(c.name) if c.name in writes else None),
+                output_path=output_path_for(c.name) if c.name in writes else None,
+                refused=refused),
                 call_requested_id(sid, c.call_id)))
-            if bad_transform is not None:
+            if refused is not None:
                 out.append(Append(CallRejected(
                     session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
-                    turn_id=turn.turn_id, tool=c.name, reason="invalid_arguments",
-                    rule="planner:transform", message=bad_transform),
-                    policy_decision_id(sid, c.call_id)))
-            elif offered is not None and c.name not in offered:
-                listed = ", ".join(sorted(offered)[:40]) or "none"
-                out.append(Append(CallRejected(
-                    session_id=sid, at=now, actor=ACTOR, call_id=c.call_id,
-                    turn_id=turn.turn_id, tool=c.name, reason="tool_not_offered",
-                    rule="planner:offered",
-                    message=clip(f"{c.name} is not one of the tools offered to you in this "
-                                 f"turn; call one of: {listed}")),
+                    turn_id=turn.turn_id, tool=c.name, reason=refused.reason,
+                    rule=refused.rule, message=refused.message),
                     policy_decision_id(sid, c.call_id)))
     judged = {v.call_id for v in turn.verdicts}
     emitted = turn.output_call_id is not None

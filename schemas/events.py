@@ -191,6 +191,16 @@ class OutputRejected(Event, frozen=True, tag="output.rejected"):
     violations: list[str] = []
 
 
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    """Why the writer of a `call.requested` refuses it already (the planner: a tool not
+    offered to the model, an unusable `_transform`): the rejection whoever decides the
+    call stores, word for word."""
+
+    reason: str
+    rule: str
+    message: str
+
+
 class CallRequested(Event, frozen=True, tag="call.requested"):
     call_id: str
     turn_id: str
@@ -202,6 +212,10 @@ class CallRequested(Event, frozen=True, tag="call.requested"):
     instance: str | None = None  # `_instance`: the executor instance asked for
     agent: str | None = None
     transform: str | None = None  # `_transform`: a JMESPath expression over the result
+    # Refused by its writer, which stores the `call.rejected` right behind it: the approval
+    # actor, deciding first (another process, a cluster), stores the same refusal, never
+    # an approval.
+    refused: Refusal | None = None
 
 
 class CallRejected(Event, frozen=True, tag="call.rejected"):
