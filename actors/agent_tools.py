@@ -22,6 +22,7 @@ replays the child. Nesting is bounded (`MAX_AGENT_DEPTH`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +37,7 @@ from bus.client import ToolbusClient
 from bus.connection import Bus
 from schemas.errors import BusTimeoutError, ToolbusError
 from schemas.events import (
+    CallDispatched,
     Event,
     RequestRejected,
     TurnCancelled,
@@ -144,7 +146,7 @@ class AgentTool:
             raise ToolError(f"{self.spec.name}: agents already call agents {MAX_AGENT_DEPTH} "
                             f"deep in session {d.session_id}; answer without it",
                             error_type="agent_depth")
-        client = ToolbusClient(self.bus, max_watched_sessions=1)
+        client = ToolbusClient(self.bus, max_watched_sessions=2)  # the child's, the parent's
         timeout_s = (d.timeout_ms or self.spec.timeout_ms) / 1000
         delivery = current_delivery.get()
         try:
@@ -152,12 +154,27 @@ class AgentTool:
             # need them (with every slot held by a waiting parent, none could start).
             request_id = child_request_id(d.session_id, d.call_id)
             with delivery.waiting() if delivery is not None else contextlib.nullcontext():
-                # Ended a little before the executor's own timeout, to stop the child turn:
-                # left running, it would go on (a call of it approved an hour later would
-                # run) for a parent that gave up on it.
-                end: Event = await client.ask(
-                    child, arguments["message"], agent=self.agent, request_id=request_id,
-                    timeout=timeout_s - _stop_margin(timeout_s))
+                async with client.turn_end(d.session_id, d.turn_id) as parent_ended:
+                    # Ended a little before the executor's own timeout, to stop the child
+                    # turn: left running, it would go on (a call of it approved an hour
+                    # later would run) for a parent that gave up on it.
+                    asking = asyncio.ensure_future(client.ask(
+                        child, arguments["message"], agent=self.agent,
+                        request_id=request_id, timeout=timeout_s - _stop_margin(timeout_s)))
+                    try:
+                        await asyncio.wait({asking, parent_ended},
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        if not asking.done():
+                            asking.cancel()
+                            with contextlib.suppress(asyncio.CancelledError, Exception):
+                                await asking
+                    if asking.cancelled():
+                        # The turn that asked for it ended (cancelled): so does the child's
+                        # (and its own agents' after it), not left calling tools for
+                        # nobody.
+                        return await self._stop_child(client, child, request_id, d)
+                    end: Event = asking.result()
         except BusTimeoutError as exc:
             stopped: Event | None = None
             with contextlib.suppress(ToolbusError):
@@ -174,6 +191,21 @@ class AgentTool:
         finally:
             await client.close()
         return answer_of(self.agent, child, end)
+
+    async def _stop_child(self, client: ToolbusClient, child: str, request_id: str,
+                          d: CallDispatched) -> dict[str, Any]:
+        stopped: Event | None = None
+        with contextlib.suppress(ToolbusError):
+            stopped = await client.cancel(
+                child, turn_id_for(request_id), timeout=_STOP_MARGIN_S * 2,
+                reason=f"turn {d.turn_id} of session {d.session_id}, which asked for this "
+                       "turn, was cancelled")
+        if isinstance(stopped, TurnCompleted):  # it answered just before
+            return answer_of(self.agent, child, stopped)
+        what = ("its turn was stopped" if isinstance(stopped, TurnCancelled) else
+                "and its turn could not be stopped: it may go on")
+        raise ToolError(f"agent {self.agent} (session {child}): the turn that asked for it "
+                        f"was cancelled, {what}", error_type="agent_cancelled")
 
 
 def _stop_margin(timeout_s: float) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,29 @@ class ToolbusClient:
                             await s.unsubscribe()
                     break
         return w
+
+    @contextlib.asynccontextmanager
+    async def turn_end(self, session_id: str, turn_id: str
+                       ) -> AsyncIterator[asyncio.Future[TurnEnd]]:
+        """A future set with the end of a running turn (`turn.completed`, `turn.failed`,
+        `turn.cancelled`) while inside: watched live, and set at once when a cancellation
+        of it is stored already (one read of the session's cancellations, not of the
+        session). One waiter per turn in a client."""
+        watcher = await self._watch(session_id)
+        if turn_id in watcher.waiting:
+            raise ValueError(f"turn {turn_id} of {session_id} is waited for already")
+        fut: asyncio.Future[TurnEnd] = asyncio.get_running_loop().create_future()
+        watcher.waiting[turn_id] = fut
+        try:
+            for stored in await self.log.read_session(
+                    session_id, subject_filter=event_filter(session_id, "turn.cancelled")):
+                if isinstance(stored.event, TurnCancelled) and \
+                        stored.event.turn_id == turn_id and not fut.done():
+                    fut.set_result(stored.event)
+            yield fut
+        finally:
+            if watcher.waiting.get(turn_id) is fut:
+                del watcher.waiting[turn_id]
 
     async def cancel(self, session_id: str, turn_id: str, *, reason: str | None = None,
                      timeout: float = 30.0) -> TurnEnd:

@@ -392,3 +392,46 @@ async def test_an_agent_call_that_times_out_stops_its_child_turn(
         assert any(isinstance(e, TurnCancelled) for e in events)
     finally:
         await actor.stop()
+
+
+async def test_cancelling_a_turn_stops_the_child_turn_of_its_running_agent_call(
+        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat,
+        sid: str) -> None:
+    from bus.approvals import ApprovalStore
+    from schemas.events import TurnCancelled
+
+    # The user cancels the turn while its agent's child turn waits for a human: the
+    # child's turn is cancelled too, not left to run its calls (one approved later would
+    # run) for a turn nobody waits for any more.
+    request_id = uuid.uuid4().hex
+    _, child = _child_of(sid, request_id)
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Write hi."})])),
+        (200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),  # the child's
+    ]
+    asking = asyncio.create_task(client.ask(sid, "Have hi written.", request_id=request_id,
+                                            timeout=60))
+    try:
+        async with asyncio.timeout(20):
+            while not any(a.session_id == child  # noqa: ASYNC110 - a KV, polled
+                          for a in await ApprovalStore(bus).load()):
+                await asyncio.sleep(0.05)
+        cancelled = await client.cancel(sid, turn_id_for(request_id), reason="changed my mind")
+        assert isinstance(cancelled, TurnCancelled), cancelled
+        async with asyncio.timeout(20):
+            while True:
+                state = await client.fold_session(child)
+                (turn,) = state.turns.values()
+                if turn.status != "running":
+                    break
+                await asyncio.sleep(0.05)
+        assert turn.status == "cancelled", turn
+        (write,) = state.calls.values()
+        assert write.status == "failed" and write.error is not None
+        assert write.error.error_type == "cancelled"
+        (ended,) = [e.event for e in await EventLog(bus).read_session(child)
+                    if isinstance(e.event, TurnCancelled)]
+        assert f"turn {turn_id_for(request_id)} of session {sid}" in (ended.message or "")
+    finally:
+        asking.cancel()
+        model.script.clear()
