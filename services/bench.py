@@ -143,12 +143,15 @@ def _floor_text(v: Versus) -> str:
 
 
 def _print_lines(lines: list[Line]) -> None:
-    head = (f"{'measure':<34} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} {'per s':>8}  "
-            f"{'floor':<48} ratio")
+    # As wide as the longest name, so that every row's figures line up.
+    width = max([34, *(len(line.stats.name) for line in lines)])
+    floor_width = max([48, *(len(_floor_text(v)) for line in lines for v in line.versus)])
+    head = (f"{'measure':<{width}} {'in flight':>9} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'per s':>8}  {'floor':<{floor_width}} ratio")
     print(head)
     for line in lines:
         r = line.stats
-        main = (f"{r.name:<34} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
+        main = (f"{r.name:<{width}} {r.concurrency:>9} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
                 f"{r.per_s:>8.0f}")
         groups: dict[tuple[int, str], list[Versus]] = {}
         for v in line.versus:
@@ -157,8 +160,8 @@ def _print_lines(lines: list[Line]) -> None:
             print(f"{main}  -")
         for i, items in enumerate(groups.values()):
             ratios = "  ".join(f"{v.figure} {v.ratio:.2f}x" for v in items)
-            print(f"{main if i == 0 else ' ' * len(main)}  {_floor_text(items[0]):<48} "
-                  f"{ratios}")
+            print(f"{main if i == 0 else ' ' * len(main)}  "
+                  f"{_floor_text(items[0]):<{floor_width}} {ratios}")
 
 
 # --- machine ----------------------------------------------------------------------------

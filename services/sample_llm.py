@@ -65,13 +65,15 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(p["text"] for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 
 def _offered(body: dict[str, Any]) -> set[str]:
-    return {(t.get("function") or {}).get("name", "") for t in body.get("tools") or []
-            if isinstance(t, dict)}
+    tools = body.get("tools")
+    return {t["function"].get("name", "") for t in tools if isinstance(t, dict)
+            and isinstance(t.get("function"), dict)} if isinstance(tools, list) else set()
 
 
 def completion(body: dict[str, Any], *, tool: str = DEFAULT_TOOL, n: int = 0) -> dict[str, Any]:
@@ -175,9 +177,13 @@ class SampleModel:
             if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
                 return _error(400, "the body needs `messages`, a list")
             self.recent.append(body)
-            reply = completion(request, tool=self.tool, n=next(self._count))
+            try:
+                reply = completion(request, tool=self.tool, n=next(self._count))
+                options = request.get("stream_options")
+                usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            except (TypeError, AttributeError, KeyError, ValueError) as exc:  # a field's shape
+                return _error(400, f"the body is not a chat completion request: {exc}")
             if request.get("stream"):
-                usage = bool((request.get("stream_options") or {}).get("include_usage"))
                 return _response(200, event_stream(reply, include_usage=usage),
                                  "text/event-stream")
             return _response(200, _encode(reply))

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 
 from bus.server import free_port
 from services.sample_llm import SampleModel, listen
@@ -118,3 +119,20 @@ async def _chat_as_a_careless_user(data: Path) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "x"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": "x"},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": "x"},
+])
+def test_the_sample_model_server_answers_a_malformed_field_instead_of_hanging_up(
+        body: dict[str, object]) -> None:
+    # A body whose fields have the wrong shape: an answer, never a dropped connection.
+    import msgspec
+
+    answer = SampleModel().handle("POST", "/v1/chat/completions", {},
+                                  msgspec.json.encode(body))
+    status = answer.split(b" ", 2)[1]
+    assert status in (b"200", b"400"), answer[:200]
