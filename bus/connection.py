@@ -23,6 +23,7 @@ from schemas.errors import (
     AuthError,
     BusError,
     BusTimeoutError,
+    ConfigError,
     ConnectError,
     PermissionDeniedError,
 )
@@ -231,7 +232,37 @@ def server_urls(url: str) -> list[str]:
     urls = [u.strip() for u in url.split(",") if u.strip()]
     if not urls:
         raise ConnectError(url, "no server URL given")
+    for one in urls:
+        why = _unusable(one)
+        if why is not None:
+            shown = redact(one)
+            if shown == "<unparsable URL>":  # shown, with what could be a password out
+                shown = re.sub(r"//[^/@]*@", "//***@", one)
+            raise ConfigError(f"invalid NATS URL {shown[:300]!r}: {why}; give "
+                              "nats://HOST:PORT (or tls://, ws://, wss://), with "
+                              "user:password@ before the host if it needs them")
     return urls
+
+
+_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _unusable(url: str) -> str | None:
+    """Why nats-py could not use `url` as a server's URL, or None."""
+    # A bare `host:port` is taken as nats:// (as nats-py takes it).
+    text = url if "://" in url else f"nats://{url}"
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        return str(exc) or "unparsable"
+    if parts.scheme.lower() not in _SCHEMES:
+        return f"{parts.scheme}:// is not a NATS scheme"
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0"
+    return None
 
 
 def _credentials(servers: list[str]) -> dict[str, str]:

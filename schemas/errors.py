@@ -135,13 +135,12 @@ class BusError(ToolbusError):
 
 
 class ConnectError(BusError):
-    def __init__(self, url: str, detail: str) -> None:
+    def __init__(self, url: str, detail: str, *,
+                 hint: str = "Start one with `toolbus up`, or point --nats / NATS_URL at "
+                             "a running server") -> None:
         self.url = url
         self.detail = detail
-        super().__init__(
-            f"cannot reach NATS at {url}: {detail}. Start one with `toolbus up`, "
-            "or point --nats / NATS_URL at a running server"
-        )
+        super().__init__(f"cannot reach NATS at {url}: {detail}. {hint}")
 
 
 class AuthError(ConnectError):

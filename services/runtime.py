@@ -27,7 +27,7 @@ from bus.catalog import Catalog
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
-from schemas.errors import BusError, ConfigError, WorkerError
+from schemas.errors import AuthError, BusError, ConfigError, ConnectError, WorkerError
 from schemas.ids import split_tool_name
 from schemas.manifest import McpServerConfig, PolicyConfig, unknown_tool_refs
 from schemas.policy import Policy
@@ -548,6 +548,14 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
             "cores, up to 4 processes each); each worker is a whole Python process with every "
             "executor pool and MCP connection, and more than the cores can run only compete. "
             "For more calls at once, raise --max-in-flight (calls each process runs at once)")
+    taken: dict[int, str] = {}
+    for flag, wanted in (("--port", port if nats_url is None else None),
+                         ("--http-port", settings.http_port), ("--metrics-port", metrics_port)):
+        if wanted:  # 0 or none: any free port
+            if wanted in taken:
+                raise ConfigError(f"{flag} {wanted} is also the {taken[wanted]}: each needs "
+                                  "a port of its own")
+            taken[wanted] = flag
     # The manifest was read and checked when the settings were built: a bad one has
     # already failed, before anything started.
     kinds = ["executors", "mcp", "approval", "planner", "session"] if workers == 1 else \
@@ -587,6 +595,12 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
             return run(run_actors(url, kinds, settings, server=server, workers=children,
                                   banner=banner, gateway_tokens=tokens,
                                   metrics_port=metrics_port, metrics_host=metrics_host))
+        except ConnectError as exc:
+            if server is not None or isinstance(exc, AuthError):
+                raise
+            # Not "start one with `toolbus up`": this is it, told to use that server.
+            raise ConnectError(exc.url, exc.detail, hint="Start that server, or leave "
+                               "--nats (and NATS_URL) out for toolbus's own") from exc
         except WorkerError as exc:
             print(f"toolbus: {exc}", file=sys.stderr, flush=True)
             code = exc.code if exc.code is not None and 0 < exc.code <= EXIT_BUS else EXIT_BUS

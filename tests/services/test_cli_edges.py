@@ -34,6 +34,10 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("up", "--workers", "0"), "--workers 0"),
     # Each a whole process: 10,000 on 2 cores had loaded the machine past 100, for long.
     (("up", "--workers", "10000"), "--workers 10000: at most"),
+    # One port for two servers: the second failed, blaming its own flag only.
+    (("up", "--http-port", "24227", "--metrics-port", "24227"),
+     "--metrics-port 24227 is also the --http-port: each needs a port of its own"),
+    (("up", "--port", "24228", "--http-port", "24228"), "--http-port 24228 is also the --port"),
     (("call", "built-in:echo", "--timeout", "-1"), "argument --timeout: -1 is not a positive"),
     (("call", "built-in:echo", "--timeout", "soon"), "argument --timeout: invalid float"),
     (("replay", "s", "--until", "0"), "argument --until: 0 is not a positive"),
@@ -63,6 +67,12 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("cancel", "a.b", "--session", "s1"), "invalid turn id 'a.b'"),
     (("cancel", "t1", "--session", "s1", "--reason", " "), "--reason must say why"),
     (("cancel", "t1"), "the following arguments are required: --session"),
+    # A URL nats-py cannot use is not a server that cannot be reached.
+    (("state", "demo", "--nats", "http://x"),
+     "invalid NATS URL 'http://x': http:// is not a NATS scheme"),
+    (("state", "demo", "--nats", "nats://u:secret@127.0.0.1:99999"),
+     "invalid NATS URL 'nats://***@127.0.0.1:99999': Port out of range"),
+    (("up", "--nats", "nats://[::1"), "invalid NATS URL 'nats://[::1'"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,
                                             tmp_path: Path) -> None:
@@ -362,3 +372,13 @@ async def test_json_output_escapes_what_would_drive_or_reorder_the_terminal(
     assert text in json.dumps(json.loads(state.stdout), ensure_ascii=False)
     events = [json.loads(line) for line in replay.stdout.splitlines()]
     assert any(text in json.dumps(e, ensure_ascii=False) for e in events)
+
+
+def test_up_with_a_server_that_is_not_there_says_to_start_that_one(tmp_path: Path) -> None:
+    from bus.server import free_port
+
+    out = run_toolbus("up", "--nats", f"nats://127.0.0.1:{free_port()}", "--data-dir",
+                      str(tmp_path), timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "Start that server, or leave --nats (and NATS_URL) out" in out.stderr
+    assert "Start one with `toolbus up`" not in out.stderr and "Traceback" not in out.stderr
