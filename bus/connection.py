@@ -94,7 +94,7 @@ class Bus:
             if not fut.done():
                 fut.set_exception(PermissionDeniedError(
                     f"NATS denies the {self.principal} role publishing to {subject}: "
-                    "connect with the credentials of a role that may (bus/auth.py)"))
+                    "connect with the credentials of a role that may (README: Roles and permissions)"))
 
     @contextlib.contextmanager
     def fails_if_denied(self, subject: str, waiter: asyncio.Future[Any]) -> Iterator[None]:
@@ -297,7 +297,7 @@ def as_bus_error(exc: BaseException) -> BusError | None:
     if isinstance(exc, TimeoutError) and _recent_denials:  # nats-py's is one too
         return PermissionDeniedError(
             f"NATS refused this role's {_recent_denials[-1]} (permissions violation): "
-            "connect with the credentials of a role that may (bus/auth.py)")
+            "connect with the credentials of a role that may (README: Roles and permissions)")
     if isinstance(exc, TimeoutError):
         return BusTimeoutError("NATS did not answer in time")
     if isinstance(exc, nats.errors.Error):

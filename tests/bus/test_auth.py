@@ -236,6 +236,11 @@ async def test_toolbus_up_enforces_the_roles(tmp_path: Path) -> None:
             assert (f.stat().st_mode & 0o077) == 0, f"{f} is readable by others"
         urls = {r: role_url(data, r) for r in ROLES}
         await _check_roles(f"nats://127.0.0.1:{port}", urls)
+        # A command given another role's URL is told which role it takes.
+        out = await asyncio.to_thread(run_toolbus, "approve", "c1", "--nats", urls["client"])
+        assert out.returncode == 3, out.stderr
+        assert "`toolbus approve` takes the approver role (or admin)" in out.stderr
+        assert "Traceback" not in out.stderr and "bus/auth.py" not in out.stderr
     finally:
         assert up.stop(signal.SIGINT) == 0
     # The credentials are reused at the next start.
