@@ -94,7 +94,8 @@ class Bus:
             if not fut.done():
                 fut.set_exception(PermissionDeniedError(
                     f"NATS denies the {self.principal} role publishing to {subject}: "
-                    "connect with the credentials of a role that may (README: Roles and permissions)"))
+                    "connect with the credentials of a role that may (README: Roles and "
+                    "permissions)"))
 
     @contextlib.contextmanager
     def fails_if_denied(self, subject: str, waiter: asyncio.Future[Any]) -> Iterator[None]:

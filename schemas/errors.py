@@ -38,7 +38,14 @@ class InvalidIdError(ToolbusError, ValueError):
         self.kind = kind
         self.value = value
         self.rule = rule
-        super().__init__(f"invalid {kind} {value!r}: {rule}")
+        super().__init__(f"invalid {kind} {quoted(value)}: {rule}")
+
+
+def quoted(value: object, limit: int = 200) -> str:
+    """`value` as an error message quotes it: its repr, cut past `limit` characters (an
+    id of 100,000 characters is not printed back whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 class InvalidRequestError(ToolbusError, ValueError):

@@ -36,6 +36,7 @@ try:
         PermissionDeniedError,
         RpcError,
         ToolbusError,
+        quoted,
     )
     from schemas.events import (
         RequestRejected,
@@ -886,7 +887,7 @@ async def _cancel(url: str, args: argparse.Namespace) -> int:
 
     session = check_session_id(args.session)
     if not is_token(args.turn_id):
-        print(f"toolbus: invalid turn id {args.turn_id!r}: `toolbus replay {session}` "
+        print(f"toolbus: invalid turn id {quoted(args.turn_id)}: `toolbus replay {session}` "
               "names the session's turns", file=sys.stderr)
         return EXIT_USAGE
     if args.reason is not None and not args.reason.strip():
@@ -1309,7 +1310,7 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
             return EXIT_USAGE
         body["reason"] = args.reason
     if not is_token(args.call_id):
-        print(f"toolbus: invalid call id {args.call_id!r}: `toolbus approvals` lists the "
+        print(f"toolbus: invalid call id {quoted(args.call_id)}: `toolbus approvals` lists the "
               "ids of the calls waiting", file=sys.stderr)
         return EXIT_USAGE
     if args.session is not None:

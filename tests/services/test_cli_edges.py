@@ -382,3 +382,14 @@ def test_up_with_a_server_that_is_not_there_says_to_start_that_one(tmp_path: Pat
     assert out.returncode == 3, out.stderr
     assert "Start that server, or leave --nats (and NATS_URL) out" in out.stderr
     assert "Start one with `toolbus up`" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args", [("approve", "a" * 100_000), ("state", "b" * 5_000),
+                                  ("cancel", "c." * 3_000, "--session", "s1")])
+def test_an_invalid_id_is_quoted_back_cut_short(args: tuple[str, ...],
+                                                 tmp_path: Path) -> None:
+    # A 100,000-character id was printed back whole, in a line as long.
+    out = run_toolbus(*args, "--data-dir", str(tmp_path)) if args[0] != "approve" \
+        else run_toolbus(*args)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr) < 1_000 and "characters)" in out.stderr, out.stderr[:300]
