@@ -58,6 +58,7 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, 
         batch.append((int(hdrs[_SEQUENCE]), hdrs[_SUBJECT], msg.data))
         last_pending = int(hdrs.get(_NUM_PENDING, "0"))
 
+    reconnects = nc.stats["reconnects"]
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=4 * size)
     try:
@@ -69,6 +70,11 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, 
                 async with asyncio.timeout(timeout) as quiet:
                     pending = await done
             except TimeoutError:
+                if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+                    # Not a server that went quiet: the connection went away.
+                    raise BusTimeoutError(
+                        f"reading {filt}: lost the connection to NATS at {bus.url}, and "
+                        f"the read did not finish within {timeout:g} s") from None
                 raise BusTimeoutError(f"reading {filt}: nothing more of the batch from seq "
                                       f"{start} came for {timeout:g} s") from None
     finally:
