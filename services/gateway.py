@@ -79,7 +79,7 @@ from schemas.errors import (
     RpcError,
     ToolbusError,
 )
-from schemas.ids import TOKEN_RULE, check_session_id, is_token, turn_id_for
+from schemas.ids import SYSTEM_SESSION, TOKEN_RULE, check_session_id, is_token, turn_id_for
 from schemas.policy import HumanDecision, PendingApproval
 from schemas.requests import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -709,6 +709,10 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
             check_session_id(sid)
         except InvalidIdError as exc:
             return _error(400, str(exc))
+        if sid == SYSTEM_SESSION:  # known to be refused: said now, not after a 202
+            return _error(400, f"{sid} is toolbus's own session (it keeps the rejections of "
+                               "requests that name no usable session): send requests to a "
+                               "session of yours")
         streamed = _flag(stream, "stream")
         if isinstance(streamed, Response):
             return streamed
