@@ -1313,6 +1313,12 @@ async def _decide(url: str, args: argparse.Namespace) -> int:
         print(f"toolbus: invalid call id {quoted(args.call_id)}: `toolbus approvals` lists the "
               "ids of the calls waiting", file=sys.stderr)
         return EXIT_USAGE
+    # The approval actor's own bounds (schemas: decide_human), said before connecting.
+    if len(by) > 128 or len(body.get("note") or "") > 4000 or \
+            len(body.get("reason") or "") > 4000:
+        print("toolbus: --by is at most 128 characters; --note and --reason at most 4000",
+              file=sys.stderr)
+        return EXIT_USAGE
     if args.session is not None:
         check_session_id(args.session)  # before connecting: a usage error, server or not
     bus = await connect(url, name="toolbus-decide")

@@ -64,6 +64,8 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
     (("deny", "", "--reason", "no"), "invalid call id ''"),
     (("deny", "c1", "--reason", " "), "--reason must say why"),
+    (("approve", "c1", "--by", "b" * 200), "--by is at most 128 characters"),
+    (("deny", "c1", "--reason", "r" * 5000), "--note and --reason at most 4000"),
     (("cancel", "a.b", "--session", "s1"), "invalid turn id 'a.b'"),
     (("cancel", "t1", "--session", "s1", "--reason", " "), "--reason must say why"),
     (("cancel", "t1"), "the following arguments are required: --session"),
