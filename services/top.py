@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -246,6 +247,9 @@ def top(urls: Sequence[str], *, token: str | None, interval_s: float, once: bool
             print(f"toolbus top: --url {url} is not an http(s) URL (for example "
                   "http://127.0.0.1:8787/metrics)", file=sys.stderr)
             return EXIT_USAGE
+    # A URL without a path is the server's: its metrics are at /metrics.
+    urls = [u.rstrip("/") + "/metrics" if not urlsplit(u).path.strip("/") else u
+            for u in urls]
     live = not once and sys.stdout.isatty()
     try:
         with httpx.Client(timeout=5.0, trust_env=False) as client:

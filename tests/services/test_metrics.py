@@ -231,6 +231,13 @@ async def test_top_pointed_at_a_page_that_is_not_metrics_says_so(up: Up) -> None
                                    "--once")
     assert done.returncode == 2 and done.stdout == ""
     assert "/healthz is not a metrics page" in done.stderr.strip().splitlines()[-1]
+    # The server's URL alone: its /metrics is meant.
+    token_file = up.data / "auth" / "client.token"
+    bare = await asyncio.to_thread(run_toolbus, "top", "--url", f"{up.http}/",
+                                   "--token-file", str(token_file), "--once",
+                                   "--interval", "0.2")
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.startswith(f"toolbus top  {up.http}/metrics")
 
 
 async def test_top_with_a_wrong_token_says_so(up: Up, tmp_path: Path) -> None:
