@@ -167,8 +167,7 @@ class AgentTool:
                     finally:
                         if not asking.done():
                             asking.cancel()
-                            with contextlib.suppress(asyncio.CancelledError, Exception):
-                                await asking
+                            await asyncio.wait({asking})  # raises nothing, swallows nothing
                     if asking.cancelled():
                         # The turn that asked for it ended (cancelled): so does the child's
                         # (and its own agents' after it), not left calling tools for

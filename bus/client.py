@@ -87,6 +87,9 @@ class _Watcher:
 
     def __init__(self, session_id: str) -> None:
         self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
+        # Callers waiting for a running turn's own end (`turn_end`): a turn's events only,
+        # never a request's refusal (a resubmitted request id's `duplicate_request`).
+        self.ends: dict[str, asyncio.Future[TurnEnd]] = {}
         self.results: dict[str, CallSucceeded] = {}
         # Callers waiting for a tool event to be stored, by its id (one key may be
         # injected by several at once).
@@ -113,6 +116,9 @@ class _Watcher:
         ev = decode_stored(0, msg.subject, msg.data).event
         if isinstance(ev, TurnCompleted | TurnFailed | TurnCancelled):
             key = ev.turn_id
+            end = self.ends.get(key)
+            if end is not None and not end.done():
+                end.set_result(ev)
         elif isinstance(ev, RequestRejected) and ev.request_id is not None:
             key = turn_id_for(ev.request_id)
         elif isinstance(ev, TurnRequested):
@@ -194,25 +200,44 @@ class ToolbusClient:
     @contextlib.asynccontextmanager
     async def turn_end(self, session_id: str, turn_id: str
                        ) -> AsyncIterator[asyncio.Future[TurnEnd]]:
-        """A future set with the end of a running turn (`turn.completed`, `turn.failed`,
-        `turn.cancelled`) while inside: watched live, and set at once when a cancellation
-        of it is stored already (one read of the session's cancellations, not of the
-        session). One waiter per turn in a client."""
+        """A future set with the end of a running turn (its `turn.completed`,
+        `turn.failed` or `turn.cancelled`, nothing else) while inside: watched live, and
+        looked up in the log on entry and again after each reconnect (an end republished
+        while the connection was away never arrives). One waiter per turn in a client."""
         watcher = await self._watch(session_id)
-        if turn_id in watcher.waiting:
+        if turn_id in watcher.ends:
             raise ValueError(f"turn {turn_id} of {session_id} is waited for already")
         fut: asyncio.Future[TurnEnd] = asyncio.get_running_loop().create_future()
-        watcher.waiting[turn_id] = fut
-        try:
+        watcher.ends[turn_id] = fut
+
+        async def look() -> None:
             for stored in await self.log.read_session(
-                    session_id, subject_filter=event_filter(session_id, "turn.cancelled")):
-                if isinstance(stored.event, TurnCancelled) and \
-                        stored.event.turn_id == turn_id and not fut.done():
-                    fut.set_result(stored.event)
+                    session_id, subject_filter=event_filter(session_id, "turn.>")):
+                ev = stored.event
+                if isinstance(ev, TurnCompleted | TurnFailed | TurnCancelled) and \
+                        ev.turn_id == turn_id and not fut.done():
+                    fut.set_result(ev)
+
+        async def after_reconnects() -> None:
+            nc = self.bus.nc
+            seen = nc.stats["reconnects"]
+            while not fut.done():
+                await asyncio.sleep(_RECONNECT_CHECK_S)
+                if nc.stats["reconnects"] != seen and nc.is_connected:
+                    seen = nc.stats["reconnects"]
+                    with contextlib.suppress(BusError):  # looked up at the next one
+                        await look()
+
+        watchdog = asyncio.create_task(after_reconnects())
+        try:
+            await look()
             yield fut
         finally:
-            if watcher.waiting.get(turn_id) is fut:
-                del watcher.waiting[turn_id]
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
+            if watcher.ends.get(turn_id) is fut:
+                del watcher.ends[turn_id]
 
     async def cancel(self, session_id: str, turn_id: str, *, reason: str | None = None,
                      timeout: float = 30.0) -> TurnEnd:

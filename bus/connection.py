@@ -236,12 +236,14 @@ def server_urls(url: str) -> list[str]:
     for one in urls:
         why = _unusable(one)
         if why is not None:
-            shown = redact(one)
-            if shown == "<unparsable URL>":  # shown, with what could be a password out
-                shown = re.sub(r"//[^/@]*@", "//***@", one)
+            # Shown with everything up to its last @ masked: what is there may be a
+            # password, whole or in part (one with a / makes the URL unparsable).
+            scheme, sep, rest = one.rpartition("://") if "://" in one else ("", "", one)
+            shown = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else one
             raise ConfigError(f"invalid NATS URL {shown[:300]!r}: {why}; give "
                               "nats://HOST:PORT (or tls://, ws://, wss://), with "
-                              "user:password@ before the host if it needs them")
+                              "user:password@ before the host if it needs them (a / # ? "
+                              "or @ in them percent-encoded)")
     return urls
 
 
@@ -249,16 +251,20 @@ _SCHEMES = ("nats", "tls", "ws", "wss")
 
 
 def _unusable(url: str) -> str | None:
-    """Why nats-py could not use `url` as a server's URL, or None."""
+    """Why nats-py could not use `url` as a server's URL, or None. Never quotes the URL:
+    a password may be in it."""
     # A bare `host:port` is taken as nats:// (as nats-py takes it).
     text = url if "://" in url else f"nats://{url}"
     try:
         parts = urlsplit(text)
         port = parts.port
-    except ValueError as exc:
-        return str(exc) or "unparsable"
+    except ValueError as exc:  # its text may quote the URL: only a known one is said
+        return "port out of range 1-65535" if "out of range" in str(exc) else "unparsable"
     if parts.scheme.lower() not in _SCHEMES:
-        return f"{parts.scheme}:// is not a NATS scheme"
+        return f"{parts.scheme.lower()[:20]!r} is not a NATS scheme"
+    if "@" in parts.path + parts.query + parts.fragment:
+        # `user:pa/ss@host`: the password ended at the /, and the rest is a path.
+        return "unparsable"
     if not parts.hostname:
         return "no host"
     if port == 0:

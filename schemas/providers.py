@@ -275,7 +275,7 @@ def compose_schema(specs: Iterable[ToolSpec], output: dict[str, Any] | None) -> 
             # No tool to call: no call at all (`items: {}` would take anything, and a
             # model's `{"_tool": 5}` would be read as a call).
             "calls": {"type": "array", "items": {"anyOf": variants}} if variants else
-                     {"type": "array", "maxItems": 0},
+                     {"type": "array", "items": {"type": "null"}, "maxItems": 0},
         },
         "required": ["calls", "output"],
         "additionalProperties": False,

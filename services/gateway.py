@@ -133,6 +133,22 @@ _CODE_OF_STATUS: Final = {400: "invalid_request", 401: "unauthorized", 403: "for
                           503: "unavailable"}
 
 
+
+def _writable_session(sid: str) -> Response | None:
+    """The 400 for a session no request or tool event may go to: an invalid id, or
+    toolbus's own session (the session actor would refuse it; said now, not after a 202).
+    None if it may."""
+    try:
+        check_session_id(sid)
+    except InvalidIdError as exc:
+        return _error(400, str(exc))
+    if sid == SYSTEM_SESSION:
+        return _error(400, f"{sid} is toolbus's own session (it keeps the rejections of "
+                           "requests that name no usable session): send to a session of "
+                           "yours")
+    return None
+
+
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None
            ) -> JSONResponse:
     """`{ok: false, error, code}`, as every error answer of the gateway."""
@@ -705,14 +721,9 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                               "server-sent events (as GET /sessions/{sid}/events?turn=), "
                               "the first `request.accepted`, the last the turn's end")
             ] = None) -> Response:
-        try:
-            check_session_id(sid)
-        except InvalidIdError as exc:
-            return _error(400, str(exc))
-        if sid == SYSTEM_SESSION:  # known to be refused: said now, not after a 202
-            return _error(400, f"{sid} is toolbus's own session (it keeps the rejections of "
-                               "requests that name no usable session): send requests to a "
-                               "session of yours")
+        refused = _writable_session(sid)
+        if refused is not None:
+            return refused
         streamed = _flag(stream, "stream")
         if isinstance(streamed, Response):
             return streamed
@@ -807,10 +818,9 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                                "injected before: the first event's ids, nothing new"},
                          **_failures(403, 409, 413, 415, 503)})
     async def inject(sid: Sid, request: Request, role: AnyRole) -> Response:
-        try:
-            check_session_id(sid)
-        except InvalidIdError as exc:
-            return _error(400, str(exc))
+        refused = _writable_session(sid)
+        if refused is not None:
+            return refused
         body, _ = await _json_body(request)
         # Checked here, unlike a request: a bad tool event is refused with nothing
         # published, so the caller learns at once (and the session's log stays clean).

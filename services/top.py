@@ -248,8 +248,8 @@ def top(urls: Sequence[str], *, token: str | None, interval_s: float, once: bool
                   "http://127.0.0.1:8787/metrics)", file=sys.stderr)
             return EXIT_USAGE
     # A URL without a path is the server's: its metrics are at /metrics.
-    urls = [u.rstrip("/") + "/metrics" if not urlsplit(u).path.strip("/") else u
-            for u in urls]
+    urls = [urlsplit(u)._replace(path="/metrics").geturl()
+            if not urlsplit(u).path.strip("/") else u for u in urls]
     live = not once and sys.stdout.isatty()
     try:
         with httpx.Client(timeout=5.0, trust_env=False) as client:

@@ -5,6 +5,7 @@ local model server speaking the OpenAI Chat Completions API."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -435,3 +436,45 @@ async def test_cancelling_a_turn_stops_the_child_turn_of_its_running_agent_call(
     finally:
         asking.cancel()
         model.script.clear()
+
+
+async def test_a_resubmitted_request_of_the_turn_does_not_stop_its_agents_child_turn(
+        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat,
+        sid: str) -> None:
+    from bus.approvals import ApprovalStore
+    from bus.subjects import request_subject
+    from schemas.events import RequestRejected
+
+    # A client sending the turn's request again (past the message-id window) gets a
+    # `duplicate_request` refusal under the turn's request id: not the turn's end, so the
+    # child turn of its agent call goes on.
+    request_id = uuid.uuid4().hex
+    _, child = _child_of(sid, request_id)
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Write hi."})])),
+        (200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),  # the child's
+    ]
+    asking = asyncio.create_task(client.ask(sid, "Have hi written.", request_id=request_id,
+                                            timeout=60))
+    try:
+        async with asyncio.timeout(20):
+            while not any(a.session_id == child  # noqa: ASYNC110 - a KV, polled
+                          for a in await ApprovalStore(bus).load()):
+                await asyncio.sleep(0.05)
+        await bus.js.publish(request_subject(sid), json.dumps(
+            {"request_id": request_id, "message": "Have hi written."}).encode(),
+            headers={"Nats-Msg-Id": f"again-{uuid.uuid4().hex}"})
+        async with asyncio.timeout(10):
+            while not any(isinstance(e.event, RequestRejected)  # noqa: ASYNC110
+                          and e.event.reason == "duplicate_request"
+                          for e in await EventLog(bus).read_session(sid)):
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # time for a wrong cancellation to be stored
+        (turn,) = (await client.fold_session(child)).turns.values()
+        assert turn.status == "running", turn
+    finally:
+        asking.cancel()
+        await asyncio.wait({asking})
+        model.script.clear()
+        with contextlib.suppress(Exception):
+            await client.cancel(sid, turn_id_for(request_id), reason="test over", timeout=10)

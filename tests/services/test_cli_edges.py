@@ -71,9 +71,12 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("cancel", "t1"), "the following arguments are required: --session"),
     # A URL nats-py cannot use is not a server that cannot be reached.
     (("state", "demo", "--nats", "http://x"),
-     "invalid NATS URL 'http://x': http:// is not a NATS scheme"),
+     "invalid NATS URL 'http://x': 'http' is not a NATS scheme"),
     (("state", "demo", "--nats", "nats://u:secret@127.0.0.1:99999"),
-     "invalid NATS URL 'nats://***@127.0.0.1:99999': Port out of range"),
+     "invalid NATS URL 'nats://***@127.0.0.1:99999': port out of range"),
+    # A password with a / in it: unparsable, and not a piece of it printed.
+    (("state", "demo", "--nats", "nats://user:pa/ss@127.0.0.1:4222"),
+     "invalid NATS URL 'nats://***@127.0.0.1:4222': unparsable"),
     (("up", "--nats", "nats://[::1"), "invalid NATS URL 'nats://[::1'"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args: tuple[str, ...], says: str,

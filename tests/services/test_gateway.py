@@ -285,6 +285,9 @@ async def test_a_body_that_can_never_be_a_request_is_a_400_naming_why_and_submit
         # toolbus's own session takes no request: refused here, not after a 202.
         own = await c.post("/sessions/_toolbus/requests", json={"message": "x"})
         assert own.status_code == 400 and "toolbus's own session" in own.json()["error"]
+        own = await c.post("/sessions/_toolbus/tool_events", json={
+            "tool_id": "crm:lookup", "result": {"a": 1}, "idempotency_key": "k1"})
+        assert own.status_code == 400 and "toolbus's own session" in own.json()["error"]
         long = await c.post(f"/sessions/{sid}/requests", json={"message": "x" * 70_000})
         assert long.status_code == 413 and long.json()["code"] == "payload_too_large"
         # Under the gateway's 256 KiB but over the session actor's 128 KiB: refused here
