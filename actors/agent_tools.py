@@ -195,6 +195,11 @@ class AgentTool:
                           d: CallDispatched) -> dict[str, Any]:
         stopped: Event | None = None
         with contextlib.suppress(ToolbusError):
+            # Ended already (a redelivered call finds its child's turn over): its end.
+            stopped = await client.find_end(child, turn_id_for(request_id))
+        if stopped is not None:
+            return answer_of(self.agent, child, stopped)
+        with contextlib.suppress(ToolbusError):
             stopped = await client.cancel(
                 child, turn_id_for(request_id), timeout=_STOP_MARGIN_S * 2,
                 reason=f"turn {d.turn_id} of session {d.session_id}, which asked for this "

@@ -395,15 +395,14 @@ async def test_an_agent_call_that_times_out_stops_its_child_turn(
         await actor.stop()
 
 
-async def test_cancelling_a_turn_stops_the_child_turn_of_its_running_agent_call(
-        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat,
-        sid: str) -> None:
+@contextlib.asynccontextmanager
+async def _child_waiting_for_a_human(bus: Bus, client: ToolbusClient, model: ScriptedChat,
+                                     sid: str) -> AsyncIterator[tuple[str, str]]:
+    """A turn whose agent call's child turn waits for a human (its `approvals:write`):
+    yields the turn's request id and the child session, once the child waits; the turn
+    is left asked (cancelled, if still running, afterwards)."""
     from bus.approvals import ApprovalStore
-    from schemas.events import TurnCancelled
 
-    # The user cancels the turn while its agent's child turn waits for a human: the
-    # child's turn is cancelled too, not left to run its calls (one approved later would
-    # run) for a turn nobody waits for any more.
     request_id = uuid.uuid4().hex
     _, child = _child_of(sid, request_id)
     model.script = [
@@ -417,6 +416,24 @@ async def test_cancelling_a_turn_stops_the_child_turn_of_its_running_agent_call(
             while not any(a.session_id == child  # noqa: ASYNC110 - a KV, polled
                           for a in await ApprovalStore(bus).load()):
                 await asyncio.sleep(0.05)
+        yield request_id, child
+    finally:
+        asking.cancel()
+        await asyncio.wait({asking})
+        model.script.clear()
+        with contextlib.suppress(Exception):
+            await client.cancel(sid, turn_id_for(request_id), reason="test over", timeout=10)
+
+
+async def test_cancelling_a_turn_stops_the_child_turn_of_its_running_agent_call(
+        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat,
+        sid: str) -> None:
+    from schemas.events import TurnCancelled
+
+    # The user cancels the turn while its agent's child turn waits for a human: the
+    # child's turn is cancelled too, not left to run its calls (one approved later would
+    # run) for a turn nobody waits for any more.
+    async with _child_waiting_for_a_human(bus, client, model, sid) as (request_id, child):
         cancelled = await client.cancel(sid, turn_id_for(request_id), reason="changed my mind")
         assert isinstance(cancelled, TurnCancelled), cancelled
         async with asyncio.timeout(20):
@@ -433,34 +450,18 @@ async def test_cancelling_a_turn_stops_the_child_turn_of_its_running_agent_call(
         (ended,) = [e.event for e in await EventLog(bus).read_session(child)
                     if isinstance(e.event, TurnCancelled)]
         assert f"turn {turn_id_for(request_id)} of session {sid}" in (ended.message or "")
-    finally:
-        asking.cancel()
-        model.script.clear()
 
 
 async def test_a_resubmitted_request_of_the_turn_does_not_stop_its_agents_child_turn(
         bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat,
         sid: str) -> None:
-    from bus.approvals import ApprovalStore
     from bus.subjects import request_subject
     from schemas.events import RequestRejected
 
     # A client sending the turn's request again (past the message-id window) gets a
     # `duplicate_request` refusal under the turn's request id: not the turn's end, so the
     # child turn of its agent call goes on.
-    request_id = uuid.uuid4().hex
-    _, child = _child_of(sid, request_id)
-    model.script = [
-        (200, reply(calls=[("p1", "agent__writer", {"message": "Write hi."})])),
-        (200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),  # the child's
-    ]
-    asking = asyncio.create_task(client.ask(sid, "Have hi written.", request_id=request_id,
-                                            timeout=60))
-    try:
-        async with asyncio.timeout(20):
-            while not any(a.session_id == child  # noqa: ASYNC110 - a KV, polled
-                          for a in await ApprovalStore(bus).load()):
-                await asyncio.sleep(0.05)
+    async with _child_waiting_for_a_human(bus, client, model, sid) as (request_id, child):
         await bus.js.publish(request_subject(sid), json.dumps(
             {"request_id": request_id, "message": "Have hi written."}).encode(),
             headers={"Nats-Msg-Id": f"again-{uuid.uuid4().hex}"})
@@ -472,9 +473,3 @@ async def test_a_resubmitted_request_of_the_turn_does_not_stop_its_agents_child_
         await asyncio.sleep(1.0)  # time for a wrong cancellation to be stored
         (turn,) = (await client.fold_session(child)).turns.values()
         assert turn.status == "running", turn
-    finally:
-        asking.cancel()
-        await asyncio.wait({asking})
-        model.script.clear()
-        with contextlib.suppress(Exception):
-            await client.cancel(sid, turn_id_for(request_id), reason="test over", timeout=10)
