@@ -27,6 +27,7 @@ from bus.connection import Bus
 from bus.direct import direct_batch
 from bus.headers import Header
 from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, session_filter
+from schemas.errors import BusTimeoutError
 from schemas.ids import turn_id_for
 
 # Text deltas kept for a slow reader, per feed; more are dropped (they are live only).
@@ -39,6 +40,8 @@ MAX_SEQ: Final = 2**63 - 1
 # Stored events read per direct get, and how long one may take.
 _PAGE: Final = 256
 _READ_TIMEOUT_S: Final = 10.0
+# How long a feed waits for a lost connection to come back before it gives up.
+AWAY_S: Final = 30.0
 _TURN_ENDS: Final = frozenset({"turn.completed", "turn.failed", "turn.cancelled"})
 
 
@@ -218,10 +221,7 @@ class SessionFeed:
         are; `before_live`: up to the first heard live), read from the log by direct
         gets."""
         while until is None or self._last < until:
-            # Fails (BusTimeoutError) when nothing of a page comes for the timeout.
-            batch, pending = await direct_batch(
-                self._bus, EVENTS_STREAM, session_filter(self._sid), self._last + 1,
-                _PAGE, timeout=_READ_TIMEOUT_S)
+            batch, pending = await self._page()
             for seq, subject, data in batch:
                 if until is not None and seq > until:
                     return
@@ -242,6 +242,32 @@ class SessionFeed:
                 continue
             if not batch or pending == 0:
                 return
+
+    async def _page(self) -> tuple[list[tuple[int, str, bytes]], int]:
+        """The next page of the log. Fails (BusTimeoutError) when nothing of it comes for
+        the timeout from a server still connected; with the connection away, waits for it
+        to come back (at most `AWAY_S`) and reads again: a feed outlives a restart of the
+        server (what was published live meanwhile is read from the log)."""
+        nc = self._bus.nc
+        loop = asyncio.get_running_loop()
+        away_since: float | None = None
+        while True:
+            try:
+                return await direct_batch(
+                    self._bus, EVENTS_STREAM, session_filter(self._sid), self._last + 1,
+                    _PAGE, timeout=_READ_TIMEOUT_S)
+            except BusTimeoutError:
+                if nc.is_connected and away_since is None:
+                    raise
+            away_since = loop.time() if away_since is None else away_since
+            while True:
+                if loop.time() - away_since >= AWAY_S:
+                    raise BusTimeoutError(
+                        f"lost the connection to NATS at {self._bus.url}, and the log of "
+                        f"{self._sid} could not be read again within {AWAY_S:g} s")
+                if nc.is_connected and not nc.is_reconnecting:
+                    break
+                await asyncio.sleep(0.25)
 
     def _item(self, data: bytes, seq: int | None, subject: str) -> FeedItem | None:
         """The item of one event (None: not this feed's), noting how far the feed got

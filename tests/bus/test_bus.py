@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -342,3 +343,51 @@ async def test_a_result_not_found_at_first_is_read_again_not_left_empty(bus: Bus
     await late
     assert not isinstance(got, RequestRejected)
     assert got.outcomes[0].result == {"late": True}
+
+
+async def test_a_feed_outlives_its_connection_going_away_and_coming_back(
+        bus: Bus, nats_url: str, sid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`toolbus replay --follow` (and the gateway's event streams) ended with a read error
+    when the server went away for a moment; the feed now waits for the connection, and
+    reads from the log what was stored meanwhile (its live copies never came)."""
+    from bus.feed import SessionFeed
+
+    monkeypatch.setattr("bus.feed._READ_TIMEOUT_S", 0.5)
+    log = EventLog(bus)
+
+    async def reject(i: int) -> None:
+        await log.append(Append(RequestRejected(session_id=sid, at=float(i), actor="test",
+                                                reason="test", message=f"m{i}"),
+                                f"{sid}:feed:{i}"))
+
+    await reject(0)
+    proxy = _Proxy(int(nats_url.rsplit(":", 1)[1]))
+    await proxy.open()
+    far = await connect(nats_url.rsplit(":", 1)[0] + f":{proxy.port}", name="far-feed")
+    try:
+        async with SessionFeed(far, sid, quiet_s=0.3) as feed:
+            got: list[bytes] = []
+
+            async def follow() -> None:  # reading all along, as `replay --follow` does
+                async for item in feed.items():
+                    if item is not None:
+                        got.append(item.data)
+                    if len(got) == 3:
+                        return
+
+            following = asyncio.create_task(follow())
+            async with asyncio.timeout(10):
+                while not got:  # noqa: ASYNC110 - the task's own list
+                    await asyncio.sleep(0.05)
+            await proxy.cut()
+            for i in (1, 2):  # stored while the feed's connection is away
+                await reject(i)
+            await asyncio.sleep(1.5)  # more than a read's timeout: reads have failed
+            assert not following.done(), following
+            await proxy.open()  # the same port: the client reconnects
+            await asyncio.wait_for(following, 20)
+            assert [json.loads(d)["message"] for d in got] == ["m0", "m1", "m2"]
+    finally:
+        with contextlib.suppress(Exception):
+            await far.close()
+        await proxy.cut()
