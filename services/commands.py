@@ -1046,16 +1046,17 @@ async def _replay(url: str, args: argparse.Namespace) -> int:
     finally:
         await bus.close()
     out = sys.stdout
-    if args.json:
-        for s in stored:
-            out.write(_json_line(s))
-        out.write(_terminal_json(f'{{"state":{encode_state(state).decode()}}}') + "\n")
-        return EXIT_OK
     if not stored:
         upto = "" if args.until is None else (
             f" up to seq {args.until} (a sequence of the whole stream: `toolbus replay "
             f"{sid}` shows its events' own)")
         print(f"toolbus: session {sid} has no events{upto}", file=sys.stderr)
+    if args.json:  # the (empty) state still printed, and the same status
+        for s in stored:
+            out.write(_json_line(s))
+        out.write(_terminal_json(f'{{"state":{encode_state(state).decode()}}}') + "\n")
+        return EXIT_OK if stored else EXIT_CALL_FAILED
+    if not stored:
         return EXIT_CALL_FAILED
     out.write(f"session {sid}: {len(stored)} event(s)\n")
     out.write(_TIMELINE_HEAD)

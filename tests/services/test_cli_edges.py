@@ -166,6 +166,11 @@ async def test_replay_until_before_the_sessions_first_event_says_so(client,
                                   "--nats", nats_url)
     assert out.returncode == 1
     assert f"session {sid} has no events up to seq {first - 1}" in _one_clear_line(out)
+    # With --json too: the empty state printed, the same status and line.
+    out = await asyncio.to_thread(run_toolbus, "replay", sid, "--until", str(first - 1),
+                                  "--json", "--nats", nats_url)
+    assert out.returncode == 1 and json.loads(out.stdout)["state"]["last_seq"] == 0
+    assert f"session {sid} has no events up to seq {first - 1}" in _one_clear_line(out)
 
 
 async def test_chat_reads_a_line_with_no_end_in_bounded_memory() -> None:
