@@ -365,9 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               "would be lost; send it somewhere (`> /dev/null` to discard it)",
               file=sys.stderr)
         return EXIT_USAGE
+    # A server's log has times and sources; a command's warnings (its connection lost
+    # and back) are lines like its other messages, unless -v asks for the details.
+    daemon = args.command in ("up", "actor") or args.verbose
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if daemon
+        else "toolbus: %(message)s",
     )
     if args.command == "top":  # reads HTTP endpoints, not NATS
         from services.top import TopError, read_token, top
