@@ -1589,11 +1589,15 @@ class Planner:
                 if entry.state.last_seq != after:
                     return
                 # Decided on the state as it will be once the turn is stored (a copy),
-                # the model called now.
+                # the model called now. A session taken as new (none in memory) may have
+                # a past after all, which its first write then proves by conflicting:
+                # its question is asked once that write is in, not on an empty
+                # conversation to be dropped (a paid request) when it conflicts.
+                new_session = provisional
                 planned = with_turn(entry.state, event)
                 items = self._decide(planned)
                 asks = self._asks(planned, items)
-                tasks = [self._start_call(a) for a in asks]
+                tasks = [] if new_session else [self._start_call(a) for a in asks]
                 async with asyncio.timeout(_EARLY_WAIT_S):
                     seq = await stored
                 if seq is None or entry.state.last_seq != after:
@@ -1607,6 +1611,8 @@ class Planner:
                 if [i.msg_id for i in self._decide(entry.state)] != \
                         [i.msg_id for i in items]:
                     return  # it decides otherwise once stored: left to the delivery
+                if new_session:  # new indeed
+                    tasks = [self._start_call(a) for a in asks]
                 self.early_turns += 1
                 try:
                     started = await self._store(entry, items, asks, tasks)

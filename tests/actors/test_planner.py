@@ -195,13 +195,16 @@ async def test_a_turn_is_planned_as_the_session_actor_of_its_process_stores_it(
     assert planner.early_turns == before + 1
 
 
+@pytest.mark.parametrize("restarted", [False, True])
 async def test_a_session_dropped_from_memory_is_not_taken_as_new_by_its_next_turn(
         bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
-        system: dict[str, Any]) -> None:
+        system: dict[str, Any], restarted: bool) -> None:
     # Evicted (more sessions than the cache holds) or forgotten with a partition, a
     # session is read before its next turn, not assumed new: the turn planned on that
     # assumption asked the model a question without the conversation (a paid request),
-    # then dropped it when the session's first write conflicted.
+    # then dropped it when the session's first write conflicted. A process that never
+    # held it (restarted) still takes it as new, but asks nothing before the write
+    # proves it new.
     model.script = [(200, reply("Hello."))]
     end = await client.ask(sid, "Hi.")
     assert isinstance(end, TurnCompleted) and end.text == "Hello.", end
@@ -213,6 +216,8 @@ async def test_a_session_dropped_from_memory_is_not_taken_as_new_by_its_next_tur
                 await asyncio.sleep(0.01)
         states.forget(lambda s: s != sid)
         assert states.peek(sid) is None
+        if restarted:  # a new process: it never held the session, so it takes it as new
+            states._dropped.clear()
     model.received.clear()
     model.script = [(200, reply("Hello again.")), (200, reply("Hello again."))]
     # Each question the planner starts asking (whether or not the server gets it before
@@ -246,7 +251,9 @@ async def test_a_turn_planned_as_it_is_stored_leaves_nothing_when_the_store_fail
         session_id=sid, at=0, actor="session", turn_id="t-1", request_id="r-1",
         call_ids=[], message="Hi."))
     assert stored is not None
-    await asyncio.wait_for(model.asked.wait(), 10)  # asked while the turn is stored
+    await asyncio.sleep(0.3)
+    # A session taken as new is not asked about before its first write proves it new.
+    assert not model.asked.is_set()
     stored(None)  # it was not stored after all (a conflict, a bus error)
     async with asyncio.timeout(10):
         while planner._early:  # noqa: ASYNC110 - the planner's own tasks, polled
