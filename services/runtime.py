@@ -549,8 +549,12 @@ def up(*, nats_url: str | None, data_dir: Path, port: int, settings: ActorSettin
             "executor pool and MCP connection, and more than the cores can run only compete. "
             "For more calls at once, raise --max-in-flight (calls each process runs at once)")
     taken: dict[int, str] = {}
+    # The embedded server and the gateway listen on 127.0.0.1; the metrics on
+    # --metrics-host, which shares their ports only on loopback or every address.
+    shared = metrics_host in ("127.0.0.1", "localhost", "0.0.0.0", "", "::")
     for flag, wanted in (("--port", port if nats_url is None else None),
-                         ("--http-port", settings.http_port), ("--metrics-port", metrics_port)):
+                         ("--http-port", settings.http_port),
+                         ("--metrics-port", metrics_port if shared else None)):
         if wanted:  # 0 or none: any free port
             if wanted in taken:
                 raise ConfigError(f"{flag} {wanted} is also the {taken[wanted]}: each needs "

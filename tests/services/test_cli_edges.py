@@ -403,3 +403,17 @@ def test_an_invalid_id_is_quoted_back_cut_short(args: tuple[str, ...],
         else run_toolbus(*args)
     assert out.returncode == 2, out.stderr
     assert len(out.stderr) < 1_000 and "characters)" in out.stderr, out.stderr[:300]
+
+
+def test_the_metrics_on_another_address_may_share_the_gateways_port(tmp_path: Path) -> None:
+    from bus.server import free_port
+
+    # The gateway listens on 127.0.0.1; metrics on another address may take the same
+    # port (here an address this machine does not have: refused for that, not a clash).
+    port = str(free_port())
+    out = run_toolbus("up", "--port", str(free_port()), "--http-port", port,
+                      "--metrics-port", port, "--metrics-host", "192.0.2.1",
+                      "--data-dir", str(tmp_path), timeout=60)
+    assert out.returncode != 0
+    assert "each needs a port of its own" not in out.stderr
+    assert "the metrics endpoint cannot listen on 192.0.2.1" in out.stderr, out.stderr
