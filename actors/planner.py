@@ -681,9 +681,11 @@ def _complete(state: SessionState, turn: TurnState, text: str, output: Any,
                           request_id=turn.request_id, ok=True,
                           outcomes=turn_outcomes(state, turn), text=text, output=output)
     size = len(encode_event(event))
-    if size > MAX_EVENT_BYTES and output is not None:
+    if size <= MAX_EVENT_BYTES:  # the usual turn: encoded once here
+        return Append(event, turn_ended_id(sid, turn.turn_id))
+    if output is not None:
         event = msgspec.structs.replace(event, text="")
-    elif size > MAX_EVENT_BYTES:
+    else:
         marker = " [clipped: the whole answer is the turn's last model.responded]"
         room = MAX_EVENT_BYTES - len(encode_event(msgspec.structs.replace(event, text="")))
         for budget in (room - len(marker) - 64, (room - len(marker)) // 2,

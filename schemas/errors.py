@@ -44,8 +44,9 @@ class InvalidIdError(ToolbusError, ValueError):
 def quoted(value: object, limit: int = 200) -> str:
     """`value` as an error message quotes it: its repr, cut past `limit` characters (an
     id of 100,000 characters is not printed back whole)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+    from schemas.events import clip  # the one cut of free text, events' too
+
+    return clip(repr(value), limit)
 
 
 class InvalidRequestError(ToolbusError, ValueError):
