@@ -257,14 +257,17 @@ class SessionFeed:
                     self._bus, EVENTS_STREAM, session_filter(self._sid), self._last + 1,
                     _PAGE, timeout=_READ_TIMEOUT_S)
             except BusTimeoutError:
-                if nc.is_connected and away_since is None:
-                    raise
+                if (nc.is_connected and away_since is None) or nc.is_closed:
+                    raise  # a server gone quiet, or a connection closed for good
             away_since = loop.time() if away_since is None else away_since
             while True:
                 if loop.time() - away_since >= AWAY_S:
                     raise BusTimeoutError(
                         f"lost the connection to NATS at {self._bus.url}, and the log of "
                         f"{self._sid} could not be read again within {AWAY_S:g} s")
+                if nc.is_closed:
+                    raise BusTimeoutError(f"the connection to NATS at {self._bus.url} "
+                                          f"closed while the log of {self._sid} was read")
                 if nc.is_connected and not nc.is_reconnecting:
                     break
                 await asyncio.sleep(0.25)
