@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  parent_pid=args.parent_pid, metrics_port=args.metrics_port,
                                  metrics_host=args.metrics_host)
             case "chat":  # SIGTERM (`timeout`, a CI job's end) cancels its turn as Ctrl-C does
-                return _run(terminable(_chat(url, args)))
+                return _run(terminable(_chat(url, args), grace_s=_CHAT_GRACE_S))
             case "call":
                 return _run(_call(url, args))
             case "inject":
@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "bench":
                 # Cancelled by SIGTERM as by Ctrl-C: the servers and toolbus a benchmark
                 # started are stopped, and its temporary folders removed.
-                return _run(terminable(_bench(args)))
+                return _run(terminable(_bench(args), grace_s=30.0))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         named = getattr(args, "data_dir", None)
@@ -882,6 +882,9 @@ async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
 
 
 _STOP_TURN_S = 5.0
+# After SIGTERM, chat's cleanup (cancelling its turn, then closing its connection) takes
+# at most about 8 s; past this, it is stuck, and exits all the same, saying where.
+_CHAT_GRACE_S = 12.0
 
 
 async def _cancel(url: str, args: argparse.Namespace) -> int:

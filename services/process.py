@@ -8,10 +8,12 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -92,16 +94,24 @@ def fill_std_fds() -> set[str]:
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
-async def terminable(coro: Coroutine[Any, Any, int]) -> int:
+async def terminable(coro: Coroutine[Any, Any, int], *, grace_s: float) -> int:
     """`coro`, cancelled by SIGTERM as by Ctrl-C, so that the processes and files it
     started are stopped and removed by its own `finally` blocks instead of left behind
-    (`timeout`, a CI job's end and `kill` send SIGTERM). Then 143, as a shell reports it."""
+    (`timeout`, a CI job's end and `kill` send SIGTERM). Then 143, as a shell reports it.
+
+    A process told to stop must stop: if it has not exited `grace_s` after the first
+    SIGTERM (its cleanup waits on something that never comes), it says what it was
+    waiting for and exits 143 without finishing."""
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
     termed = False
 
     def on_term() -> None:
         nonlocal termed
+        if not termed:
+            timer = threading.Timer(grace_s, _stuck, args=(loop, grace_s))
+            timer.daemon = True
+            timer.start()
         termed = True
         task.cancel()
 
@@ -122,6 +132,45 @@ async def terminable(coro: Coroutine[Any, Any, int]) -> int:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _stuck(loop: asyncio.AbstractEventLoop, grace_s: float) -> None:
+    """On a timer's thread, `grace_s` after SIGTERM: what the process still waits for
+    (its tasks' stacks, from the loop's thread; the threads' stacks if the loop itself
+    is blocked), then exit 143."""
+    print(f"toolbus: still stopping {grace_s:g} s after SIGTERM; exiting now, without "
+          "finishing (a bug: what it was waiting for follows)", file=sys.stderr, flush=True)
+    shown = threading.Event()
+
+    def show_tasks() -> None:
+        try:
+            for task in asyncio.all_tasks(loop):
+                print(f"task {task.get_name()}, awaiting:", file=sys.stderr)
+                for where in _awaiting(task.get_coro()):
+                    print(f"  {where}", file=sys.stderr)
+        finally:
+            shown.set()
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: the threads tell
+        loop.call_soon_threadsafe(show_tasks)
+    if not shown.wait(2.0):
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os._exit(EXIT_TERMINATED)
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Where a coroutine waits, outermost first: each frame down its chain of awaits
+    (a task's own stack shows the outermost alone)."""
+    wheres: list[str] = []
+    while coro is not None and len(wheres) < 40:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        wheres.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return wheres
 
 
 def die_with_parent() -> None:

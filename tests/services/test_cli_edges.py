@@ -417,3 +417,46 @@ def test_the_metrics_on_another_address_may_share_the_gateways_port(tmp_path: Pa
     assert out.returncode != 0
     assert "each needs a port of its own" not in out.stderr
     assert "the metrics endpoint cannot listen on 192.0.2.1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("blocked", ["task", "loop"])
+def test_a_command_stuck_after_sigterm_exits_anyway_saying_where(blocked: str) -> None:
+    """SIGTERM cancels a command (chat, bench) so that its cleanup runs; a cleanup that
+    waits on something that never comes (or blocks the event loop) would keep the
+    process forever. It exits 143 after its grace period, naming what it waited for."""
+    script = f"""
+import asyncio, sys, time
+from services.process import run, terminable
+
+async def wait_for_good() -> int:
+    try:
+        await asyncio.sleep(3600)
+    finally:
+        print("cleanup", file=sys.stderr, flush=True)
+        if {blocked!r} == "loop":
+            time.sleep(3600)
+        await asyncio.Event().wait()  # never set
+    return 0
+
+async def main() -> int:
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, lambda: print("ready", flush=True))
+    return await terminable(wait_for_good(), grace_s=1.0)
+
+sys.exit(run(main()))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "cleanup" in err
+    assert "toolbus: still stopping 1 s after SIGTERM; exiting now" in err
+    # Where it was stuck: the task's stack, or the main thread's when the loop is blocked.
+    assert "wait_for_good" in err, err
