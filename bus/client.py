@@ -361,7 +361,8 @@ class ToolbusClient:
             ) from exc
         finally:
             watcher.started.discard(turn_id)
-            watcher.waiting.pop(turn_id, None)
+            if watcher.waiting.get(turn_id) is fut:  # not a later waiter's (a cancel's)
+                del watcher.waiting[turn_id]
             for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
                 del watcher.results[call_id]
 

@@ -880,6 +880,46 @@ async def test_ctrl_c_in_toolbus_chat_cancels_the_turn_it_waits_for(
     assert not any(isinstance(e, TurnCompleted) for e in events)
 
 
+async def test_an_interrupt_landing_as_the_request_is_acknowledged_still_cancels_the_turn(
+        bus: Bus, planner: Planner, model: ScriptedChat, sid: str, nats_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in CI: `toolbus chat` still there 15 s after SIGTERM, its turn never
+    cancelled. The interrupt had landed in the same turn of the loop as the request's
+    acknowledgement, inside nats-py's `asyncio.wait_for`, which on Python 3.11 returns
+    the result and drops the cancellation. Here that race is forced on every turn."""
+    import argparse
+
+    from services import commands
+
+    model.script = [(200, reply("Too late."), 30)]
+    real_submit = ToolbusClient.submit
+    chat: list[asyncio.Task[int]] = []
+
+    async def acknowledged_as_interrupted(self: ToolbusClient, session_id: str, body: bytes,
+                                          *, request_id: str) -> Any:
+        sub = await real_submit(self, session_id, body, request_id=request_id)
+        if request_id.startswith("cancel-"):
+            return sub
+        # The acknowledgement and chat's interrupt, in one turn of the loop.
+        loop = asyncio.get_running_loop()
+        ack: asyncio.Future[Any] = loop.create_future()
+        loop.call_soon(ack.set_result, sub)
+        loop.call_soon(chat[0].cancel)
+        return await asyncio.wait_for(ack, 5)
+
+    monkeypatch.setattr(ToolbusClient, "submit", acknowledged_as_interrupted)
+    args = argparse.Namespace(session=sid, agent=None, message="Take your time.",
+                              timeout=60.0)
+    chat.append(asyncio.create_task(commands._chat(nats_url, args)))
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(15):
+            await chat[0]
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: any(isinstance(e, TurnCancelled) for e in evs))
+    cancelled = next(e for e in events if isinstance(e, TurnCancelled))
+    assert "toolbus chat was interrupted" in cancelled.message
+
+
 async def test_toolbus_chat_piped_prints_the_answer_alone_and_streams_on_a_terminal(
         planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
     import pty
