@@ -1338,6 +1338,7 @@ class Planner:
         # or by an error): their next handling asks them (`_recover`).
         self._left: set[str] = set()
         self._narrowing: dict[int, asyncio.Task[None]] = {}
+        self._stopping = False
         self.early_turns = 0  # how many (stats and tests)
 
     @property
@@ -1360,6 +1361,10 @@ class Planner:
         await self._owner.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        # A turn whose early planning is stopped here is not asked again by its delivery's
+        # handler while this process stops (a model request sent for nothing): that
+        # delivery is left unacknowledged, for the next owner of its partition.
+        self._stopping = True
         for task in [*self._early, *self._narrowing.values()]:
             await stop_task(task)  # a turn goes on at its delivery, elsewhere
         await self._owner.stop()
@@ -1498,7 +1503,7 @@ class Planner:
             # The turn being planned as it is stored: its session is that task's to read
             # (a new one is not in memory until it is stored), whatever the wait.
             await asyncio.wait({early}, timeout=_EARLY_WAIT_S)  # never cancels it
-            if part not in self._partition_loops:
+            if part not in self._partition_loops or self._stopping:
                 return  # given up meanwhile: the next owner has it, unacknowledged
         entry = await self._states.entry(sid, at_least=delivery.stream_seq)
         async with entry.lock:

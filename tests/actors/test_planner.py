@@ -43,6 +43,7 @@ from schemas.events import (
     TurnFailed,
     TurnRequested,
 )
+from schemas.ids import turn_id_for
 from schemas.tools import ToolSpec
 from tests.conftest import REPO, EventWatch, Proc, settled_state
 
@@ -920,6 +921,27 @@ async def test_an_interrupt_landing_as_the_request_is_acknowledged_still_cancels
     assert "toolbus chat was interrupted" in cancelled.message
 
 
+async def test_a_planner_stopped_mid_model_call_asks_nothing_more_as_it_stops(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    """Stopping a planner (`toolbus up` told to stop) while a turn waited for the model
+    sent the turn's question again from its delivery, only to drop it a moment later: a
+    request, and its cost, for nothing. The next owner of the partition asks it."""
+    model.script = [(200, reply("Too late."), 30)]
+    request_id = uuid.uuid4().hex
+    asking = asyncio.create_task(client.ask(sid, "Take your time.", request_id=request_id,
+                                            timeout=60))
+    try:
+        async with asyncio.timeout(15):
+            await model.asked.wait()
+        await planner.stop()
+        await asyncio.sleep(0.5)  # what a stray request would take to come
+        assert len(model.received) == 1, model.received
+    finally:
+        # Not left for the planners of the tests that follow.
+        await client.cancel(sid, turn_id_for(request_id), timeout=15)
+        await asyncio.wait({asking}, timeout=5)
+
+
 async def test_toolbus_chat_piped_prints_the_answer_alone_and_streams_on_a_terminal(
         planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
     import pty
@@ -1045,7 +1067,6 @@ async def test_a_tool_given_invalid_arguments_again_and_again_ends_the_turn(
 async def test_messages_carry_the_conversation_the_client_keeps(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
         bus: Bus) -> None:
-    from schemas.ids import turn_id_for
 
     model.script = [(200, reply("Paris, still."))]
     body = {"request_id": "m1", "messages": [
