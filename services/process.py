@@ -137,27 +137,29 @@ async def terminable(coro: Coroutine[Any, Any, int], *, grace_s: float) -> int:
 def _stuck(loop: asyncio.AbstractEventLoop, grace_s: float) -> None:
     """On a timer's thread, `grace_s` after SIGTERM: what the process still waits for
     (its tasks' stacks, from the loop's thread; the threads' stacks if the loop itself
-    is blocked), then exit 143."""
-    print(f"toolbus: still stopping {grace_s:g} s after SIGTERM; exiting now, without "
-          "finishing (a bug: what it was waiting for follows)", file=sys.stderr, flush=True)
-    shown = threading.Event()
+    is blocked), then exit 143, whatever stderr is (a closed pipe included)."""
+    try:
+        print(f"toolbus: still stopping {grace_s:g} s after SIGTERM; exiting now, without "
+              "finishing (a bug: what it was waiting for follows)", file=sys.stderr,
+              flush=True)
+        shown = threading.Event()
 
-    def show_tasks() -> None:
-        try:
-            for task in asyncio.all_tasks(loop):
-                print(f"task {task.get_name()}, awaiting:", file=sys.stderr)
-                for where in _awaiting(task.get_coro()):
-                    print(f"  {where}", file=sys.stderr)
-        finally:
-            shown.set()
+        def show_tasks() -> None:
+            try:
+                for task in asyncio.all_tasks(loop):
+                    print(f"task {task.get_name()}, awaiting:", file=sys.stderr)
+                    for where in _awaiting(task.get_coro()):
+                        print(f"  {where}", file=sys.stderr)
+            finally:
+                shown.set()
 
-    with contextlib.suppress(RuntimeError):  # the loop is closed: the threads tell
-        loop.call_soon_threadsafe(show_tasks)
-    if not shown.wait(2.0):
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    with contextlib.suppress(Exception):
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the threads tell
+            loop.call_soon_threadsafe(show_tasks)
+        if not shown.wait(2.0):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-    os._exit(EXIT_TERMINATED)
+    finally:  # whatever failed above (stderr a closed pipe): the exit must come
+        os._exit(EXIT_TERMINATED)
 
 
 def _awaiting(coro: Any) -> list[str]:

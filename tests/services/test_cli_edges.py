@@ -419,7 +419,7 @@ def test_the_metrics_on_another_address_may_share_the_gateways_port(tmp_path: Pa
     assert "the metrics endpoint cannot listen on 192.0.2.1" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("blocked", ["task", "loop"])
+@pytest.mark.parametrize("blocked", ["task", "loop", "task, stderr closed"])
 def test_a_command_stuck_after_sigterm_exits_anyway_saying_where(blocked: str) -> None:
     """SIGTERM cancels a command (chat, bench) so that its cleanup runs; a cleanup that
     waits on something that never comes (or blocks the event loop) would keep the
@@ -432,7 +432,10 @@ async def wait_for_good() -> int:
     try:
         await asyncio.sleep(3600)
     finally:
-        print("cleanup", file=sys.stderr, flush=True)
+        try:
+            print("cleanup", file=sys.stderr, flush=True)
+        except OSError:  # stderr closed
+            pass
         if {blocked!r} == "loop":
             time.sleep(3600)
         await asyncio.Event().wait()  # never set
@@ -449,6 +452,14 @@ sys.exit(run(main()))
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        if "stderr closed" in blocked:  # where it would say so is gone: it exits all the same
+            assert proc.stderr is not None
+            proc.stderr.close()
+            proc.terminate()
+            proc.wait(timeout=15)
+            proc.stdout.close()
+            assert proc.returncode == 143
+            return
         proc.terminate()
         _, err = proc.communicate(timeout=15)
     finally:
