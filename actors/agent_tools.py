@@ -165,9 +165,11 @@ class AgentTool:
                         await asyncio.wait({asking, parent_ended},
                                            return_when=asyncio.FIRST_COMPLETED)
                     finally:
-                        if not asking.done():
+                        while not asking.done():
+                            # Again after a second if the cancel was lost inside nats-py
+                            # (landing as the child request's ack came: bus/tasks.py).
                             asking.cancel()
-                            await asyncio.wait({asking})  # raises nothing, swallows nothing
+                            await asyncio.wait({asking}, timeout=1.0)  # raises nothing
                     if asking.cancelled():
                         # The turn that asked for it ended (cancelled): so does the child's
                         # (and its own agents' after it), not left calling tools for

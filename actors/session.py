@@ -60,6 +60,7 @@ from bus.subjects import (
     requests_filter,
     session_of,
 )
+from bus.tasks import stop_tasks
 from schemas.defaults import (
     DECIDE_ATTEMPTS,
     PARTITION_ACK_WAIT_S,
@@ -553,11 +554,7 @@ class SessionActor:
             timer.cancel()
             await _release(held, decided=False)
         self._awaiting_rest.clear()
-        for task in list(self._late):
-            task.cancel()
-        for task in list(self._late):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self._late)  # cancelled again while they run (one can be lost)
         await self._state_rpc.stop()
         await self._owner.stop()
         await self._kernel.stop(grace)

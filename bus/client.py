@@ -27,6 +27,7 @@ from bus.subjects import (
     request_subject,
     state_subject,
 )
+from bus.tasks import apart
 from schemas.errors import BusError, BusTimeoutError, InvalidRequestError
 from schemas.events import (
     CallOutcome,
@@ -427,8 +428,8 @@ class ToolbusClient:
                                   else 0.0)
         while True:
             try:
-                ack = await self.bus.js.publish(request_subject(session_id), body,
-                                                timeout=5.0, headers=headers)
+                ack = await apart(self.bus.js.publish(request_subject(session_id), body,
+                                                      timeout=5.0, headers=headers))
                 break
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
                     nats.errors.TimeoutError) as exc:
@@ -532,11 +533,11 @@ class ToolbusClient:
     async def _publish_tool_event(self, session_id: str, event_id: str, data: bytes) -> bool:
         """Publish to the requests stream; true if the stream already had it."""
         try:
-            ack = await self.bus.js.publish(
+            ack = await apart(self.bus.js.publish(
                 request_subject(session_id), data, timeout=5.0,
                 headers={Header.MSG_ID.value: client_request_id(session_id, event_id),
                          **trace.headers_for_child(None)},
-            )
+            ))
         except nats.errors.NoRespondersError as exc:
             raise BusError(
                 f"no request stream on {self.bus.url}: start toolbus there with `toolbus up`"
@@ -624,7 +625,8 @@ class ToolbusClient:
         """The session actor's in-memory state of a session."""
         check_session_id(session_id)
         try:
-            msg = await self.bus.nc.request(state_subject(session_id), b"", timeout=timeout)
+            msg = await apart(self.bus.nc.request(state_subject(session_id), b"",
+                                                  timeout=timeout))
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise BusTimeoutError(
                 f"no session actor answered for {session_id}: is `toolbus up` running?"

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -182,10 +183,14 @@ class PullLoop:
         try:
             if self._tasks:
                 _, late = await asyncio.wait(set(self._tasks), timeout=grace)
-                for task in late:
-                    task.cancel()
-                if late:
-                    await asyncio.wait(late, timeout=grace)
+                # Cancelled, and again while they run (a cancel can be lost: bus/tasks.py),
+                # for at most `grace` more.
+                for _ in range(max(1, math.ceil(grace))):
+                    if not late:
+                        break
+                    for task in late:
+                        task.cancel()
+                    _, late = await asyncio.wait(late, timeout=min(1.0, grace))
         finally:
             # Only now: the messages in hand are kept from redelivery while they finish
             # (a grace longer than the ack wait would otherwise hand them to another

@@ -27,6 +27,7 @@ from bus.connection import Bus
 from bus.direct import direct_batch
 from bus.headers import Header
 from bus.subjects import EVENTS_STREAM, LIVE_PREFIX, session_filter
+from bus.tasks import apart
 from schemas.errors import BusTimeoutError
 from schemas.ids import turn_id_for
 
@@ -117,7 +118,7 @@ class SessionFeed:
         anything stored after this returns wakes the feed."""
         self._sub = await self._bus.nc.subscribe(f"{LIVE_PREFIX}.{self._sid}.>",
                                                  cb=self._on_live)
-        await self._bus.nc.flush(timeout=5)
+        await apart(self._bus.nc.flush(timeout=5))
 
     async def __aenter__(self) -> SessionFeed:
         await self.open()

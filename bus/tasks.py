@@ -12,9 +12,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 log = logging.getLogger("toolbus.bus")
+
+T = TypeVar("T")
+
+
+async def apart(aw: Awaitable[T]) -> T:
+    """`aw`, run in a task of its own and awaited so that a cancellation of the caller
+    (Ctrl-C, SIGTERM, an `asyncio.timeout` expiring) always comes through: inside nats-py
+    it could be lost (see above), and the caller went on as if never cancelled, or a
+    timeout stopped bounding its block. On that cancellation, `aw` is cancelled too."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task})
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(_drop_result)
+        raise
+    return task.result()
+
+
+def _drop_result(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" warning for what nobody awaits
 
 
 async def stop_task(task: asyncio.Task[Any] | None, *, wait_s: float = 1.0,
@@ -45,4 +68,4 @@ async def stop_tasks(tasks: Any, *, wait_s: float = 1.0) -> None:
     await asyncio.gather(*(stop_task(t, wait_s=wait_s) for t in list(tasks)))
 
 
-__all__ = ["stop_task", "stop_tasks"]
+__all__ = ["apart", "stop_task", "stop_tasks"]

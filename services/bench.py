@@ -243,6 +243,16 @@ def _fsync_text(nats_url: str | None, fsync: str) -> str:
 # --- measuring --------------------------------------------------------------------------
 
 
+def _cancelled_quietly() -> None:
+    """Raise CancelledError if this task was cancelled and the cancellation was lost
+    (inside nats-py's `asyncio.wait_for`, on Python 3.11: bus/tasks.py). Checked between
+    operations, outside their timing: Ctrl-C or SIGTERM would otherwise go unnoticed
+    until a loop of thousands ended."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def measure(name: str, op: Op, *, n: int, concurrency: int) -> Stats:
     lat: list[float] = []
     counter = iter(range(n))
@@ -252,6 +262,7 @@ async def measure(name: str, op: Op, *, n: int, concurrency: int) -> Stats:
             t = time.perf_counter()
             await op(i)
             lat.append(time.perf_counter() - t)
+            _cancelled_quietly()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -265,6 +276,7 @@ async def _series(op: Op, n: int) -> list[float]:
         t = time.perf_counter()
         await op(i)
         lat.append(time.perf_counter() - t)
+        _cancelled_quietly()
     return lat
 
 
@@ -848,6 +860,7 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
                 t = time.perf_counter()
                 await fresh_turn(i * len(longs) + k)
                 beside[k].append(time.perf_counter() - t)
+                _cancelled_quietly()
         d_late = await measure(f"direct httpx, bodies of turn {turns}", direct(last), n=n,
                                concurrency=1)
 

@@ -35,6 +35,7 @@ from actors import metrics
 from bus.connection import Bus
 from bus.consumer import ConsumerLag, consumer_lags
 from bus.subjects import EVENTS_STREAM, REQUESTS_STREAM
+from bus.tasks import stop_task
 from schemas.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -310,10 +311,9 @@ class LagPoller:
     async def stop(self) -> None:
         if self._unwatch is not None:
             self._unwatch()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        # Cancelled again until it ends: once was lost when it landed as a poll's reply
+        # came (bus/tasks.py), and `toolbus up` then never finished stopping.
+        await stop_task(self._task)
 
     async def poll(self) -> None:
         values: list[tuple[dict[str, str], float]] = []
