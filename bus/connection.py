@@ -136,21 +136,35 @@ class Bus:
         return bytes(msg.data)
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:  # closing is best-effort once the server is gone
-                try:
-                    await self.nc.close()
-                except asyncio.CancelledError:
-                    # A server that stopped answering mid-read: nats-py's close can end
-                    # in the cancellation of its own socket's close waiter. Only a
-                    # cancellation of this task goes on.
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():
-                        raise
-                except Exception:  # uvloop: "handler is closed"
-                    pass
+        """Drain (what was received is handled, what was published is sent), then close;
+        bounded by `CLOSE_S` in all. A server that stopped answering (paused, or gone
+        without the connection noticing yet) made nats-py's drain wait out its flush's
+        10 s before closing, past a stopping command's budget."""
+        if self.nc.is_closed:
+            return
+        drain = asyncio.ensure_future(self.nc.drain())
+        drain.add_done_callback(_retrieve)
+        await asyncio.wait({drain}, timeout=CLOSE_S * 0.6)
+        if drain.done() and not drain.cancelled() and drain.exception() is None:
+            return
+        drain.cancel()  # not drained in time (or failed): closed at once
+        closing = asyncio.ensure_future(self.nc.close())
+        closing.add_done_callback(_retrieve)
+        # A cancellation of this task ends the wait; nats-py's own close can end in the
+        # cancellation of its socket's close waiter (a server gone mid-read), which is
+        # the closing task's, and dropped with its other errors (uvloop: "handler is
+        # closed").
+        await asyncio.wait({closing}, timeout=CLOSE_S * 0.4)
+
+
+# How long closing a connection takes at most: a stopping command (`toolbus chat` after
+# Ctrl-C or SIGTERM) has a budget to keep.
+CLOSE_S = 5.0
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: closing is best-effort once the server is gone
 
 
 async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:

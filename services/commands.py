@@ -69,6 +69,7 @@ try:
         EXIT_USAGE,
         fill_std_fds,
         interrupted,
+        say,
         started,
         tcp_port,
         terminable,
@@ -485,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "be decoded): give it as UTF-8", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        say("toolbus: interrupted")
         return 130
     except BrokenPipeError:
         return _reader_gone()
@@ -871,29 +873,28 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
 
 async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
     """Cancel the turn `toolbus chat` was interrupted in (bounded), and say how it ended;
-    else how to stop it."""
+    else how to stop it. Said where it can be: with stderr a closed pipe (`2>&1 | head`),
+    the turn is cancelled all the same."""
     how = f"toolbus cancel {turn_id} --session {session}"
-    print(f"\ntoolbus: interrupted: cancelling turn {turn_id} (again to leave it running)",
-          file=sys.stderr, flush=True)
+    say(f"\ntoolbus: interrupted: cancelling turn {turn_id} (again to stop waiting)")
     try:
         end = await client.cancel(session, turn_id, reason="toolbus chat was interrupted",
                                   timeout=_STOP_TURN_S)
     except asyncio.CancelledError:  # interrupted again: left running, and said how to stop
-        print(f"toolbus: turn {turn_id} may still be running; stop it with: {how}",
-              file=sys.stderr, flush=True)
+        say(f"toolbus: turn {turn_id} may still be running (unless the cancel sent was "
+            f"stored); stop it with: {how}")
         raise
     except Exception as exc:
-        print(f"toolbus: turn {turn_id} may still be running ({exc}); stop it with: {how}",
-              file=sys.stderr, flush=True)
+        say(f"toolbus: turn {turn_id} may still be running ({exc}); stop it with: {how}")
         return
     if isinstance(end, TurnCancelled):
-        print(f"toolbus: interrupted: turn {turn_id} cancelled", file=sys.stderr, flush=True)
+        say(f"toolbus: interrupted: turn {turn_id} cancelled")
     elif isinstance(end, RequestRejected):
         # Not known yet (its request still on its way), or already over.
-        print(f"toolbus: interrupted: turn {turn_id} not cancelled "
-              f"({_printable(end.message)}); if it runs: {how}", file=sys.stderr, flush=True)
+        say(f"toolbus: interrupted: turn {turn_id} not cancelled "
+            f"({_printable(end.message)}); if it runs: {how}")
     else:
-        print(f"toolbus: interrupted: turn {turn_id} had ended", file=sys.stderr, flush=True)
+        say(f"toolbus: interrupted: turn {turn_id} had ended")
 
 
 _STOP_TURN_S = 5.0

@@ -94,6 +94,15 @@ def fill_std_fds() -> set[str]:
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
+def say(text: str) -> None:
+    """`text` on stderr, if it can be written: on an interrupt's way out, a closed pipe
+    (`2>&1 | head`) must not stop what comes after (cancelling a turn, the exit status)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed pipe or file
+        pass
+
+
 async def terminable(coro: Coroutine[Any, Any, int], *, grace_s: float) -> int:
     """`coro`, cancelled by SIGTERM as by Ctrl-C, so that the processes and files it
     started are stopped and removed by its own `finally` blocks instead of left behind
@@ -127,7 +136,7 @@ async def terminable(coro: Coroutine[Any, Any, int], *, grace_s: float) -> int:
             # subscriptions) to end, before the loop goes.
             for _ in range(3):
                 await asyncio.sleep(0)
-            print("toolbus: terminated", file=sys.stderr)
+            say("toolbus: terminated")
             return EXIT_TERMINATED
         raise
     finally:

@@ -40,7 +40,7 @@ from services.config import (
     usable_cpus,
 )
 from services.metrics import LagPoller, MetricsServer, install_metrics, serve_metrics
-from services.process import EXIT_BUS, die_with_parent, parent_is, run
+from services.process import EXIT_BUS, die_with_parent, parent_is, run, say
 from services.telemetry import install_tracing, shutdown_tracing
 from services.workers import WORKER_READY, Workers
 
@@ -264,19 +264,9 @@ async def start_planner(bus: Bus, settings: ActorSettings, *,
                 ContextExecutor(bus, compression, max_iterations=agent.limits.max_iterations,
                                 instance=f"{settings.instance or default_instance_name()}"
                                          "-context", ack_wait_s=settings.ack_wait_s)]
-    started: list[Any] = []
-    try:
-        await planner.start()
-        started.append(planner)
-        for helper in helpers:
-            await helper.start()
-            started.append(helper)
-    except BaseException:
-        for done in reversed(started):
-            await done.stop()
-        await catalog.stop()
-        raise
-    return _PlannerWithCatalog(planner, catalog, helpers)
+    actor = _PlannerWithCatalog(planner, catalog, helpers)
+    await actor.start()
+    return actor
 
 
 class _PlannerWithCatalog:
@@ -288,14 +278,31 @@ class _PlannerWithCatalog:
         self.helpers = list(helpers)
 
     async def start(self) -> None:
-        await self.planner.start()
-        for helper in self.helpers:
-            await helper.start()
+        """The helpers first, and their tools seen in the planner's catalog: a question
+        the planner asks again at its start (a turn left by a stopped process) offers the
+        tools its stored `model.requested` counted, not only those live yet. What started
+        is stopped again if a later start fails."""
+        started: list[Any] = []
+        try:
+            for helper in self.helpers:
+                await helper.start()
+                started.append(helper)
+            for helper in self.helpers:
+                if isinstance(helper, Executor):
+                    await self.catalog.wait_for_instance(helper.instance)
+            await self.planner.start()
+        except BaseException:
+            for done in reversed(started):
+                await done.stop()
+            await self.catalog.stop()
+            raise
 
     async def stop(self, grace: float = 5.0) -> None:
+        # The planner first: while the helpers' running calls finish (an agent's child
+        # turn among them), it asks the model nothing more and requests no new calls.
+        await self.planner.stop(grace)
         for helper in reversed(self.helpers):
             await helper.stop(grace)
-        await self.planner.stop(grace)
         await self.catalog.stop()
 
 
@@ -341,7 +348,10 @@ class _WithCatalog:
         await self.catalog.stop()
 
 
-async def stop_actors(actors: Sequence[Actor], grace: float = 10.0) -> None:
+_STOP_GRACE_S = 10.0  # what the calls running at a stop get to finish
+
+
+async def stop_actors(actors: Sequence[Actor], grace: float = _STOP_GRACE_S) -> None:
     # Reverse order: the session actor stops taking requests before executors drain.
     for actor in reversed(actors):
         try:
@@ -460,6 +470,9 @@ async def run_actors(url: str, kinds: Sequence[str], settings: ActorSettings,
               flush=True)
         exit_code = _EXIT_INTERRUPTED
     finally:
+        if stop.is_set() and actors and not worker:
+            say(f"toolbus: stopping; calls still running get up to {_STOP_GRACE_S:g} s "
+                "to finish")
         if scrape is not None:
             await scrape.stop()
         if lag is not None:

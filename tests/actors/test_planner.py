@@ -881,6 +881,43 @@ async def test_ctrl_c_in_toolbus_chat_cancels_the_turn_it_waits_for(
     assert not any(isinstance(e, TurnCompleted) for e in events)
 
 
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+async def test_an_interrupted_chat_whose_output_is_gone_still_cancels_its_turn(
+        bus: Bus, planner: Planner, model: ScriptedChat, sid: str, nats_url: str,
+        sig: int, status: int) -> None:
+    """`toolbus chat ... 2>&1 | head -c 1`: the reader gone, saying "cancelling" failed
+    with a broken pipe before the cancel was sent; chat exited 0 and the turn went on,
+    its tool calls and all."""
+    model.script = [(200, reply("Too late."), 30)]
+    reader, writer = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.cli", "chat", "Take your time.", "--session",
+            sid, "--nats", nats_url, stdout=writer, stderr=writer, cwd=REPO,
+            start_new_session=True)
+    finally:
+        os.close(writer)
+    try:
+        async with asyncio.timeout(30):
+            await model.asked.wait()
+        os.close(reader)  # the reader goes: stdout and stderr are a closed pipe now
+        reader = -1
+        os.killpg(proc.pid, sig)
+        async with asyncio.timeout(15):
+            await proc.wait()
+    finally:
+        if reader >= 0:
+            os.close(reader)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == status
+    async with EventWatch(bus, sid) as w:
+        events = await w.until(lambda evs: any(isinstance(e, TurnCancelled) for e in evs))
+    cancelled = next(e for e in events if isinstance(e, TurnCancelled))
+    assert "toolbus chat was interrupted" in cancelled.message
+
+
 async def test_an_interrupt_landing_as_the_request_is_acknowledged_still_cancels_the_turn(
         bus: Bus, planner: Planner, model: ScriptedChat, sid: str, nats_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -391,3 +391,35 @@ async def test_a_feed_outlives_its_connection_going_away_and_coming_back(
         with contextlib.suppress(Exception):
             await far.close()
         await proxy.cut()
+
+
+async def test_closing_a_connection_to_a_server_that_stopped_answering_is_bounded(
+        tmp_path) -> None:
+    """A server stopped mid-work (SIGSTOP, a wedged host): nats-py's drain waited out its
+    flush's 10 s before closing, so `toolbus chat` interrupted then took 17 s to exit (12 s
+    and a "bug" message under SIGTERM). Closing is bounded now."""
+    import os
+    import signal
+
+    from bus.connection import CLOSE_S
+    from bus.server import free_port
+    server = EmbeddedServer(tmp_path, port=free_port(), auth=False).start()
+    assert server.process is not None
+    try:
+        bus = await connect(server.url, name="t")
+        got: list[object] = []
+
+        async def keep(msg: object) -> None:
+            got.append(msg)
+
+        await bus.nc.subscribe("t.>", cb=keep)  # a subscription for the drain to drain
+        await bus.nc.flush()
+        os.kill(server.process.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        await bus.close()
+        took = time.monotonic() - t0
+        assert took < CLOSE_S + 1, took
+        assert bus.nc.is_closed
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
