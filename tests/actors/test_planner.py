@@ -789,10 +789,40 @@ async def test_a_planner_killed_before_the_answer_is_stored_asks_again_once(
         second.stop()
     assert isinstance(end, TurnCompleted) and end.text == "done", end
     assert len(model.received) == 3  # iteration 1 twice (the first answer was lost), then 2
+    # Asked again with the tools its stored question counted: the planner's helpers (the
+    # context tools among them) were live before it took the question up.
+    offered = [sorted(t["function"]["name"] for t in r["tools"]) for r in model.received]
+    assert offered[0] == offered[1] and "built-in__recall" in offered[0], offered
     events = [s.event for s in await EventLog(bus).read_session(sid)]
     assert [e.iteration for e in events if isinstance(e, ModelResponded)] == [1, 2]
     assert (tmp_path / "log").read_text() == "x\n"  # the tool ran once
     assert sum(type(e).__name__ == "CallStarted" for e in events) == 1
+
+
+async def test_a_question_asked_again_after_a_stop_offers_the_tools_it_counted(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, nats_url: str, tmp_path: Path) -> None:
+    """A planner process stopped (SIGTERM) while the model thinks; the next one asks the
+    question again. It used to ask before its own helpers (the context tools) were live,
+    offering fewer tools than the stored `model.requested` counted."""
+    model.script = [(200, reply("Too late."), 30), (200, reply("done"))]
+    first = _planner_process(tmp_path, model, nats_url)
+    await first.wait_ready()
+    asking = asyncio.create_task(client.ask(sid, "Think slowly.", timeout=90))
+    await asyncio.wait_for(model.asked.wait(), 20)
+    await asyncio.to_thread(first.stop, signal.SIGTERM)  # retires its executors
+    second = _planner_process(tmp_path, model, nats_url)
+    try:
+        await second.wait_ready()
+        end = await asyncio.wait_for(asking, 60)
+    finally:
+        second.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "done", end
+    offered = [sorted(t["function"]["name"] for t in r["tools"]) for r in model.received]
+    assert len(offered) == 2 and offered[0] == offered[1], offered
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    (asked,) = [e for e in events if isinstance(e, ModelRequested)]
+    assert asked.tools == len(offered[1])
 
 
 async def test_a_planner_killed_after_the_answer_is_stored_never_asks_again(
