@@ -68,6 +68,25 @@ from schemas.tools import Annotations, ToolSpec
 
 log = logging.getLogger("toolbus.mcp")
 
+
+class _ReaderGoneMidStream(logging.Filter):
+    """The mcp SDK logs a traceback, "Error parsing SSE message", when the reader of an
+    SSE response went away mid-message: toolbus closing the session (a stop, a failed
+    boot check, a reconnect, a call given up), not a parse failure (the SDK's own comment
+    says as much). Kept for `-v`, as a debug line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, anyio.BrokenResourceError | anyio.ClosedResourceError):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg, record.args = f"{record.getMessage()}: the reader was gone", None
+        record.exc_info, record.exc_text = None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+logging.getLogger("mcp.client.streamable_http").addFilter(_ReaderGoneMidStream())
+
 _CONNECTION_CLOSED = -32000
 _REQUEST_TIMEOUT = -32001
 _MAX_PAGES = 1000
