@@ -77,7 +77,8 @@ class _ReaderGoneMidStream(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, anyio.BrokenResourceError | anyio.ClosedResourceError):
+        if record.msg != "Error parsing SSE message" or \
+                not isinstance(exc, anyio.BrokenResourceError | anyio.ClosedResourceError):
             return True
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         record.msg, record.args = f"{record.getMessage()}: the reader was gone", None

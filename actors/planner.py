@@ -1491,6 +1491,8 @@ class Planner:
         if not is_token(sid):
             await delivery.ack()
             return
+        if self._stopping:
+            return  # nothing new asked while this process stops: for the next owner
         part = partition(sid, self._bus.partitions)
         if not self._owner.holds(part) and not await self._owner.surely_holds(part):
             # Maybe another planner's now (this process was stopped or starved past its

@@ -55,6 +55,22 @@ def _parse_header_lines(raw: bytes) -> dict[str, str]:
 
 Client._parse_header_lines = staticmethod(_parse_header_lines)  # type: ignore[method-assign]
 
+
+async def _process_pong(self: Client) -> None:
+    """nats-py's, but a PONG whose flush was cancelled meanwhile (a Ctrl-C, a reader of
+    the gateway gone) is taken as answered: nats-py set its result all the same, the
+    `InvalidStateError` ended the connection's read loop, and nothing was delivered on it
+    until the stale-connection check reconnected, 15 s or more later."""
+    if self._pongs:
+        future = self._pongs.pop(0)
+        if not future.done():
+            future.set_result(True)
+        self._pongs_received += 1
+        self._pings_outstanding = 0
+
+
+Client._process_pong = _process_pong  # type: ignore[method-assign]
+
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
@@ -155,6 +171,14 @@ class Bus:
         # the closing task's, and dropped with its other errors (uvloop: "handler is
         # closed").
         await asyncio.wait({closing}, timeout=CLOSE_S * 0.4)
+        if not closing.done():
+            closing.cancel()
+        # Not closed in time (its pending data unwritten to a server that reads nothing),
+        # or the drain was cut inside its own close: the socket goes all the same.
+        writer = getattr(self.nc._transport, "_io_writer", None)
+        transport = getattr(writer, "transport", None)
+        if transport is not None and not transport.is_closing():
+            transport.abort()
 
 
 # How long closing a connection takes at most: a stopping command (`toolbus chat` after

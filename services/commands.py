@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "bench":
                 # Cancelled by SIGTERM as by Ctrl-C: the servers and toolbus a benchmark
                 # started are stopped, and its temporary folders removed.
-                return _run(terminable(_bench(args), grace_s=30.0))
+                return _run(terminable(_bench(args), grace_s=_BENCH_GRACE_S))
     except ToolbusError as exc:
         print(f"toolbus: {exc}", file=sys.stderr)
         named = getattr(args, "data_dir", None)
@@ -486,7 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "be decoded): give it as UTF-8", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        say("toolbus: interrupted")
+        if not _interrupt_said:  # chat said how its turn ended
+            say("toolbus: interrupted")
         return 130
     except BrokenPipeError:
         return _reader_gone()
@@ -875,6 +876,8 @@ async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
     """Cancel the turn `toolbus chat` was interrupted in (bounded), and say how it ended;
     else how to stop it. Said where it can be: with stderr a closed pipe (`2>&1 | head`),
     the turn is cancelled all the same."""
+    global _interrupt_said
+    _interrupt_said = True
     how = f"toolbus cancel {turn_id} --session {session}"
     say(f"\ntoolbus: interrupted: cancelling turn {turn_id} (again to stop waiting)")
     try:
@@ -898,9 +901,13 @@ async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
 
 
 _STOP_TURN_S = 5.0
+_interrupt_said = False  # chat said what became of the turn it was interrupted in
 # After SIGTERM, chat's cleanup (cancelling its turn, then closing its connection) takes
 # at most about 8 s; past this, it is stuck, and exits all the same, saying where.
 _CHAT_GRACE_S = 12.0
+# A benchmark stops the servers and `toolbus up` it started, one after another, each
+# bounded (up's own stop gives running calls 10 s): a minute or two at worst.
+_BENCH_GRACE_S = 120.0
 
 
 async def _cancel(url: str, args: argparse.Namespace) -> int:

@@ -27,7 +27,14 @@ from bus.catalog import Catalog
 from bus.connection import Bus, connect
 from bus.server import EmbeddedServer
 from bus.streams import provision
-from schemas.errors import AuthError, BusError, ConfigError, ConnectError, WorkerError
+from schemas.errors import (
+    AuthError,
+    BusError,
+    BusTimeoutError,
+    ConfigError,
+    ConnectError,
+    WorkerError,
+)
 from schemas.ids import split_tool_name
 from schemas.manifest import McpServerConfig, PolicyConfig, unknown_tool_refs
 from schemas.policy import Policy
@@ -289,7 +296,13 @@ class _PlannerWithCatalog:
                 started.append(helper)
             for helper in self.helpers:
                 if isinstance(helper, Executor):
-                    await self.catalog.wait_for_instance(helper.instance)
+                    try:
+                        await self.catalog.wait_for_instance(helper.instance)
+                    except TimeoutError as exc:
+                        raise BusTimeoutError(
+                            f"the planner's executor {helper.instance} did not show in "
+                            "the catalog (toolbus_executors) within 10 s of its start: "
+                            "is the server slow or its KV bucket unavailable?") from exc
             await self.planner.start()
         except BaseException:
             for done in reversed(started):
@@ -299,7 +312,7 @@ class _PlannerWithCatalog:
 
     async def stop(self, grace: float = 5.0) -> None:
         # The planner first: while the helpers' running calls finish (an agent's child
-        # turn among them), it asks the model nothing more and requests no new calls.
+        # turn among them), it starts no new model request.
         await self.planner.stop(grace)
         for helper in reversed(self.helpers):
             await helper.stop(grace)

@@ -423,3 +423,23 @@ async def test_closing_a_connection_to_a_server_that_stopped_answering_is_bounde
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
+
+
+async def test_a_flush_cancelled_before_its_pong_leaves_the_connection_reading(
+        nats_server: EmbeddedServer) -> None:
+    """A session feed opened and cancelled at once (a gateway reader gone, a Ctrl-C):
+    nats-py answered the late PONG into the cancelled flush, and the `InvalidStateError`
+    ended the connection's read loop; nothing was delivered on it for 15 s or more."""
+    b = await connect(nats_server.url_for("client"), name="t")
+    try:
+        flushing = asyncio.ensure_future(b.nc.flush(timeout=5))
+        await asyncio.sleep(0)  # its PING is on its way
+        await asyncio.sleep(0)
+        flushing.cancel()
+        await asyncio.gather(flushing, return_exceptions=True)
+        await asyncio.sleep(0.2)  # its PONG came
+        assert b.nc._reading_task is not None and not b.nc._reading_task.done()
+        async with asyncio.timeout(5):
+            await b.nc.flush(timeout=2)  # answered: the connection still reads
+    finally:
+        await b.close()
