@@ -35,6 +35,7 @@ from actors.planner import AgentProfile, Rules
 from actors.tools import Resource, RunnableTool, ToolError
 from bus.client import ToolbusClient
 from bus.connection import Bus
+from bus.tasks import retrieve
 from schemas.errors import BusTimeoutError, ToolbusError
 from schemas.events import (
     CallDispatched,
@@ -161,7 +162,7 @@ class AgentTool:
                     asking = asyncio.ensure_future(client.ask(
                         child, arguments["message"], agent=self.agent,
                         request_id=request_id, timeout=timeout_s - _stop_margin(timeout_s)))
-                    asking.add_done_callback(_retrieved)  # if left behind by a stop
+                    asking.add_done_callback(retrieve)  # if left behind by a stop
                     try:
                         await asyncio.wait({asking, parent_ended},
                                            return_when=asyncio.FIRST_COMPLETED)
@@ -236,11 +237,6 @@ def answer_of(agent: str, child: str, end: Event) -> dict[str, Any]:
                         f"[session {child}]", error_type="agent_rejected")
     raise ToolError(f"agent {agent}: unexpected end {type(end).__name__} [session {child}]",
                     error_type="internal")
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: no "never retrieved" warning for one left behind
 
 
 class AgentExecutor(Executor):

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.auth import inbox_prefix, redact
+from bus.tasks import retrieve
 from schemas.errors import (
     AuthError,
     BusError,
@@ -159,13 +160,13 @@ class Bus:
         if self.nc.is_closed:
             return
         drain = asyncio.ensure_future(self.nc.drain())
-        drain.add_done_callback(_retrieve)
+        drain.add_done_callback(retrieve)
         await asyncio.wait({drain}, timeout=CLOSE_S * 0.6)
         if drain.done() and not drain.cancelled() and drain.exception() is None:
             return
         drain.cancel()  # not drained in time (or failed): closed at once
         closing = asyncio.ensure_future(self.nc.close())
-        closing.add_done_callback(_retrieve)
+        closing.add_done_callback(retrieve)
         # A cancellation of this task ends the wait; nats-py's own close can end in the
         # cancellation of its socket's close waiter (a server gone mid-read), which is
         # the closing task's, and dropped with its other errors (uvloop: "handler is
@@ -184,11 +185,6 @@ class Bus:
 # How long closing a connection takes at most: a stopping command (`toolbus chat` after
 # Ctrl-C or SIGTERM) has a budget to keep.
 CLOSE_S = 5.0
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: closing is best-effort once the server is gone
 
 
 async def connect(url: str, *, name: str, connect_timeout: float = 2.0) -> Bus:

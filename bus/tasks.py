@@ -30,14 +30,17 @@ async def apart(aw: Awaitable[T]) -> T:
         await asyncio.wait({task})
     except asyncio.CancelledError:
         task.cancel()
-        task.add_done_callback(_drop_result)
+        task.add_done_callback(retrieve)
         raise
     return task.result()
 
 
-def _drop_result(task: asyncio.Future[Any]) -> None:
+def retrieve(task: asyncio.Future[Any]) -> None:
+    """A done callback for a task nobody awaits (left behind on a cancellation, a close
+    that is best-effort): its end is retrieved, so no "exception was never retrieved"
+    warning comes at exit."""
     if not task.cancelled():
-        task.exception()  # retrieved: no "never retrieved" warning for what nobody awaits
+        task.exception()
 
 
 async def stop_task(task: asyncio.Task[Any] | None, *, wait_s: float = 1.0,
@@ -68,4 +71,4 @@ async def stop_tasks(tasks: Any, *, wait_s: float = 1.0) -> None:
     await asyncio.gather(*(stop_task(t, wait_s=wait_s) for t in list(tasks)))
 
 
-__all__ = ["apart", "stop_task", "stop_tasks"]
+__all__ = ["apart", "retrieve", "stop_task", "stop_tasks"]

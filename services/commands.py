@@ -691,6 +691,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     """One turn per message: the model's text as it streams, each tool call and its end
     as it happens (on stderr), then the answer."""
     from bus.client import ToolbusClient
+    from bus.tasks import apart
     from schemas.ids import child_session_id
     from schemas.manifest import AGENT_TOOL_NAMESPACE
 
@@ -813,18 +814,14 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
             streamed[0] = False
             request_id = uuid.uuid4().hex
             current[0] = turn_id_for(request_id)
-            # Its own task, awaited through a shield: an interrupt landing in the same
-            # turn of the loop as the request's acknowledgement was lost inside nats-py's
-            # `asyncio.wait_for` (Python 3.11 returns the result and drops the
-            # cancellation), and chat waited for the whole turn. Here it always comes.
-            asking = asyncio.ensure_future(client.ask(
-                session, text, agent=args.agent, timeout=args.timeout,
-                request_id=request_id))
-            asking.add_done_callback(_retrieved)
             try:
-                end = await asyncio.shield(asking)
+                # Apart: an interrupt landing in the same turn of the loop as the
+                # request's acknowledgement was lost inside nats-py's `asyncio.wait_for`
+                # (Python 3.11 drops that cancellation), and chat waited for the whole
+                # turn. Here it always comes.
+                end = await apart(client.ask(session, text, agent=args.agent,
+                                             timeout=args.timeout, request_id=request_id))
             except asyncio.CancelledError:
-                asking.cancel()
                 # Ctrl-C (or SIGTERM) during the turn: it is the session's, and would go
                 # on unseen, holding the session's next turns back. Stopped, as a chat's
                 # Ctrl-C stops the answer, or else named.
@@ -863,13 +860,6 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         await client.close()
         await bus.close()
     return code
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A task left behind on an interrupt: its end is of no interest (nor worth a
-    "never retrieved" warning at exit)."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
