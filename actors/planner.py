@@ -367,8 +367,14 @@ def decide(state: SessionState, offer: Offer, *, now: float,
     runs), the model is asked again only once each result over its budget, or made with
     `_transform`, has its `result.compressed`. A turn whose agent `unknown_agent` says
     (why) is unknown ends at once, before any model call. A reply whose calls would take
-    the turn past `max_calls` (the policy's `max_calls_per_turn`) ends it."""
+    the turn past `max_calls` (the policy's `max_calls_per_turn`) ends it.
+
+    One planner turn of a session runs at a time, in the order they were requested: a
+    message sent while the model is still answering the one before waits for that turn's
+    end (its model then reads the earlier answer, as in any conversation), instead of
+    being answered beside it by a model that never sees the other's answer."""
     out: list[Append] = []
+    planning = False
     for turn_id in state.open_turns:
         turn = state.turns[turn_id]
         if turn.message is not None and not turn.steps and turn.model_requested == 0:
@@ -376,7 +382,8 @@ def decide(state: SessionState, offer: Offer, *, now: float,
             if why is not None:
                 out.append(_fail(state, turn, "unknown_agent", why, now))
                 continue
-        if turn.message is not None:
+        if turn.message is not None and not planning:
+            planning = True  # the later ones wait for it
             o, r = (agents or {}).get(turn.agent or "", (offer, rules))
             out += _due(state, turn, o, r, now=now, max_iterations=max_iterations,
                         max_tokens=max_tokens, compression=compression, max_calls=max_calls)

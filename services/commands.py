@@ -691,7 +691,7 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     """One turn per message: the model's text as it streams, each tool call and its end
     as it happens (on stderr), then the answer."""
     from bus.client import ToolbusClient
-    from bus.tasks import apart
+    from bus.tasks import apart, retrieve
     from schemas.ids import child_session_id
     from schemas.manifest import AGENT_TOOL_NAMESPACE
 
@@ -739,6 +739,24 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         elif kind == "call.requested" and body.get("actor") == "planner":
             await watch_child(child, str(body.get("call_id")), str(body.get("tool")))
 
+    # One planner turn of a session runs at a time: a turn requested behind another
+    # says what it waits for, instead of nothing until that one ends.
+    behind: list[asyncio.Task[None] | None] = [None]
+
+    async def say_what_it_waits_for(turn_id: str) -> None:
+        await asyncio.sleep(_QUEUED_NOTICE_S)
+        state = await client.live_state(session)
+        mine = state.turns.get(turn_id)
+        if mine is None or mine.status != "running" or mine.model_requested:
+            return
+        ahead = [t for t in state.turns.values() if t.status == "running" and
+                 t.message is not None and t.seq < mine.seq]
+        if ahead and current[0] == turn_id:
+            first = ahead[0].turn_id
+            print(f"  .. waiting for turn {first} of this session to end (one turn at a "
+                  f"time; toolbus cancel {first} --session {session} stops it)",
+                  file=sys.stderr, flush=True)
+
     async def on_live(msg: Any) -> None:
         event = _live_event(msg)
         if event is None:
@@ -747,6 +765,12 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         if "turn_id" in body and body["turn_id"] != current[0] and \
                 not kind.startswith("tool_event.injected"):
             return
+        if kind == "turn.requested" and behind[0] is None:
+            noticing = asyncio.create_task(say_what_it_waits_for(str(body["turn_id"])))
+            noticing.add_done_callback(retrieve)
+            behind[0] = noticing
+        elif kind == "model.requested" and behind[0] is not None:
+            behind[0].cancel()
         if kind == "model.delta" and body.get("reset"):
             print("\n  (the model's stream broke: asking again)", file=sys.stderr, flush=True)
         elif kind == "model.delta" and streaming:
@@ -835,6 +859,10 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 print(f"\ntoolbus: {exc}", file=sys.stderr, flush=True)
                 code = EXIT_BUS
                 continue
+            finally:
+                if behind[0] is not None:
+                    behind[0].cancel()
+                    behind[0] = None
             if isinstance(end, TurnCompleted):
                 if not streamed[0] and end.text:
                     sys.stdout.write(_printable(end.text))
@@ -891,6 +919,8 @@ async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
 
 
 _STOP_TURN_S = 5.0
+# A turn whose model is not asked within this long may be waiting behind another.
+_QUEUED_NOTICE_S = 1.0
 _interrupt_said = False  # chat said what became of the turn it was interrupted in
 # After SIGTERM, chat's cleanup (cancelling its turn, then closing its connection) takes
 # at most about 8 s; past this, it is stuck, and exits all the same, saying where.

@@ -453,6 +453,44 @@ async def test_a_turn_with_two_parallel_calls_then_an_answer(
     assert len(model.received) == before
 
 
+async def test_a_message_sent_while_the_model_answers_the_one_before_waits_for_its_end(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str, nats_url: str) -> None:
+    """Both turns were planned at once: the second's model never saw the first answer
+    (nor the first's the second message), and the answers could cross. `toolbus chat`
+    says what its turn waits for."""
+    model.script = [(200, reply(calls=[("e1", "built-in__echo", {"text": "a"})]), 3),
+                    (200, reply("First answer."), 0.5),
+                    (200, reply("Second answer."))]
+    model.asked.clear()
+    first_id = uuid.uuid4().hex
+    first = asyncio.create_task(client.ask(sid, "First question.", request_id=first_id,
+                                           timeout=30))
+    await asyncio.wait_for(model.asked.wait(), 15)
+    chat = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "Second question.",
+                         "--session", sid, "--nats", nats_url],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    one = await asyncio.wait_for(first, 30)
+    assert isinstance(one, TurnCompleted) and one.text == "First answer.", one
+    assert chat.returncode == 0 and chat.stdout == "Second answer.\n", chat.stderr
+    first_turn = turn_id_for(first_id)
+    assert f"waiting for turn {first_turn} of this session to end" in chat.stderr
+
+    events = [(s.seq, s.event) for s in await EventLog(bus).read_session(sid)]
+    first_end = next(seq for seq, e in events
+                     if isinstance(e, TurnCompleted) and e.turn_id == first_turn)
+    second_asked = [seq for seq, e in events
+                    if isinstance(e, ModelRequested) and e.turn_id != first_turn]
+    assert second_asked and min(second_asked) > first_end
+    # The second question is read after the first one's whole exchange.
+    history = [(m["role"], m.get("content")) for m in model.received[-1]["messages"]]
+    assert history.index(("user", "First question.")) < \
+        history.index(("assistant", "First answer.")) < \
+        history.index(("user", "Second question."))
+    assert len(model.received) == 3
+
+
 async def test_calls_the_model_gave_one_id_are_answered_one_to_one(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     # A server that repeats an id (some compatible servers do): each call still gets an id
