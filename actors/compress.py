@@ -155,8 +155,11 @@ def transform(result: Any, expression: str) -> Any:
 
     Bounded: an expression can build a value exponentially larger than its input
     (`@|[@,@]|[@,@]|...` shares references, `[]` flattens them), so evaluation counts the
-    nodes it visits and the lists it flattens, `to_string` and `join` measure their input
-    first, and the value is measured as the tree it would encode to."""
+    nodes it visits and the lists it flattens; each function call, the elements of the
+    arrays and objects it is given and the characters of the text it scans; `to_string`
+    and `join` measure their whole input first. All of it from one budget for the whole
+    evaluation (a function called once per element of a large projection spends it
+    each time), and the value is measured as the tree it would encode to."""
     try:
         compiled = _compiled(expression)
     except (jmespath.exceptions.JMESPathError, RecursionError) as exc:
@@ -175,6 +178,13 @@ def transform(result: Any, expression: str) -> Any:
         return value
     except _TooLarge as exc:
         raise TransformError(expression, f"failed: {exc}; select less") from exc
+    except jmespath.exceptions.JMESPathTypeError as exc:
+        # Its own message prints the whole value, which may be shared references to a
+        # large text nested many times over (gigabytes once written out).
+        raise TransformError(expression, _clip(
+            f"failed: in function {exc.function_name}(), a value of type "
+            f"{exc.actual_type} where it takes {' or '.join(map(str, exc.expected_types))}",
+            200)) from exc
     except (jmespath.exceptions.JMESPathError, TypeError, ValueError, RecursionError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TransformError(expression, f"failed: {_clip(reason, 160)}") from exc
@@ -184,63 +194,95 @@ class _TooLarge(Exception):
     pass
 
 
-def _measure(value: Any, nodes: int = MAX_TRANSFORM_NODES,
-             chars: int = MAX_TRANSFORM_CHARS) -> None:
+class _Budget:
+    """What one evaluation may still spend: steps (nodes visited, elements flattened or
+    handed to a function, values measured) and characters (measured or scanned)."""
+
+    __slots__ = ("chars", "steps")
+
+    def __init__(self) -> None:
+        self.steps = MAX_TRANSFORM_NODES
+        self.chars = MAX_TRANSFORM_CHARS
+
+    def spend(self, steps: int, chars: int = 0) -> None:
+        self.steps -= steps
+        self.chars -= chars
+        if self.steps < 0:
+            raise _TooLarge(f"it takes over {MAX_TRANSFORM_NODES:,} steps")
+        if self.chars < 0:
+            raise _TooLarge(f"it reads or builds over {MAX_TRANSFORM_CHARS:,} characters")
+
+
+def _measure(value: Any, budget: _Budget | None = None) -> None:
     """Raise `_TooLarge` if `value`, encoded as a tree (shared references counted each
-    time), would hold more than `nodes` values or `chars` characters of strings."""
+    time), would hold more values or characters of strings than `budget` has left (a
+    fresh one: `MAX_TRANSFORM_NODES` and `MAX_TRANSFORM_CHARS`); spends them."""
+    budget = budget or _Budget()
     stack = [value]
     while stack:
         item = stack.pop()
-        nodes -= 1
-        if nodes < 0:
-            raise _TooLarge(f"its value has over {MAX_TRANSFORM_NODES:,} elements")
+        budget.spend(1)
         if isinstance(item, str):
-            chars -= len(item)
-            if chars < 0:
-                raise _TooLarge(f"its value has over {MAX_TRANSFORM_CHARS:,} characters")
+            budget.spend(0, len(item))
         elif isinstance(item, dict):
             for k, v in item.items():
-                chars -= len(k)
+                budget.spend(0, len(k))
                 stack.append(v)
-            if chars < 0:
-                raise _TooLarge(f"its value has over {MAX_TRANSFORM_CHARS:,} characters")
         elif isinstance(item, list):
             stack.extend(item)
 
 
-class _Functions(jmespath.functions.Functions):  # type: ignore[misc]
-    """JMESPath's functions, with the two that encode a whole value measuring it first."""
+# Functions whose cost does not grow with their arguments' size.
+_FLAT_COST = frozenset({"length", "type", "not_null", "starts_with", "ends_with", "abs",
+                        "ceil", "floor", "to_array"})
+# Functions whose cost grows with the whole of their arguments: measured first.
+_DEEP_COST = frozenset({"to_string", "join"})
 
-    @jmespath.functions.signature({"types": []})  # type: ignore[untyped-decorator]
-    def _func_to_string(self, arg: Any) -> Any:
-        _measure(arg)
-        return super()._func_to_string(arg)
+
+class _Functions(jmespath.functions.Functions):  # type: ignore[misc]
+    """JMESPath's functions, each call charged to its evaluation's budget: the whole
+    argument for the two that encode one (`to_string`, `join`), else the elements of an
+    array or object and the characters of a text (`contains` scans it; `sort`, `max`,
+    `merge` and the rest go through every element)."""
+
+    def __init__(self, budget: _Budget) -> None:
+        super().__init__()
+        self._budget = budget
+
+    def call_function(self, function_name: str, resolved_args: list[Any]) -> Any:
+        budget = self._budget
+        budget.spend(1)
+        if function_name in _DEEP_COST:
+            for arg in resolved_args:
+                _measure(arg, budget)
+        elif function_name not in _FLAT_COST:
+            for arg in resolved_args:
+                if isinstance(arg, list | dict):
+                    budget.spend(len(arg))
+                elif isinstance(arg, str):
+                    budget.spend(0, len(arg))
+        return super().call_function(function_name, resolved_args)
 
     @jmespath.functions.signature(  # type: ignore[untyped-decorator]
         {"types": ["string"]}, {"types": ["array-string"]})
     def _func_join(self, separator: str, array: list[str]) -> Any:
-        _measure(array)
-        _measure(separator * max(len(array) - 1, 0))
+        self._budget.spend(0, len(separator) * max(len(array) - 1, 0))
         return super()._func_join(separator, array)
 
 
-_OPTIONS = jmespath.Options(custom_functions=_Functions())
-
-
 class _Bounded(jmespath.visitor.TreeInterpreter):  # type: ignore[misc]
-    """The interpreter, counting the nodes it visits and the elements it flattens."""
+    """The interpreter, counting the nodes it visits and the elements it flattens, its
+    functions charging the same budget."""
 
     def __init__(self) -> None:
-        super().__init__(_OPTIONS)
-        self._left = MAX_TRANSFORM_NODES
+        self._budget = _Budget()
+        super().__init__(jmespath.Options(custom_functions=_Functions(self._budget)))
 
     def _spend(self, n: int) -> None:
-        self._left -= n
-        if self._left < 0:
-            raise _TooLarge(f"it takes over {MAX_TRANSFORM_NODES:,} steps")
+        self._budget.spend(n)
 
     def visit(self, node: Any, *args: Any, **kwargs: Any) -> Any:
-        self._spend(1)
+        self._budget.spend(1)
         return super().visit(node, *args, **kwargs)
 
     def visit_flatten(self, node: Any, value: Any) -> Any:
