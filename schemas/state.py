@@ -421,13 +421,15 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
 
 def set_path(data: dict[str, Any], path: str, value: Any) -> None:
     """Write `value` at a dotted path, making objects on the way; a non-object in the way
-    is replaced (the newest result wins, as it would in any later read of that path)."""
+    is replaced (the newest result wins, as it would in any later read of that path).
+
+    Each object on the way is copied before it is written to: it may be an earlier call's
+    result (`p`, then `p.q`), which its call and its stored event still hold as it came."""
     *parents, leaf = path.split(".")
     node = data
     for key in parents:
         child = node.get(key)
-        if not isinstance(child, dict):
-            child = node[key] = {}
+        child = node[key] = dict(child) if isinstance(child, dict) else {}
         node = child
     node[leaf] = value
 

@@ -166,6 +166,27 @@ def test_a_terminal_call_never_changes_again() -> None:
     assert s.calls["t1-0"].result == 1
 
 
+def test_a_path_under_an_earlier_results_path_leaves_that_result_as_it_came() -> None:
+    """`_outputPath` `p`, then `p.q`: the second result was written into the first one's
+    object, and the first call (what `toolbus state` and `replay` show of it, and what
+    the model reads) held a result its tool never returned."""
+    first = {"text": "original"}
+    events: list[tuple[int, Event | None]] = [
+        (1, TurnRequested(session_id=SID, at=1, actor="s", turn_id="t1", request_id="r",
+                          call_ids=["t1-0", "t1-1"]))]
+    for i, path in enumerate(["p", "p.q"]):
+        events.append((2 + i, CallRequested(session_id=SID, at=1, actor="s",
+                                            call_id=f"t1-{i}", turn_id="t1", tool="ns:t",
+                                            arguments={}, output_path=path)))
+    events += [(4, CallSucceeded(session_id=SID, at=2, actor="e", call_id="t1-0",
+                                 turn_id="t1", result=first, executor="a")),
+               (5, CallSucceeded(session_id=SID, at=2, actor="e", call_id="t1-1",
+                                 turn_id="t1", result={"text": "injected"}, executor="a"))]
+    s = fold(SID, events)
+    assert s.calls["t1-0"].result == {"text": "original"} and first == {"text": "original"}
+    assert s.data == {"p": {"text": "original", "q": {"text": "injected"}}}
+
+
 def test_payloads_written_by_version_0_1_still_decode() -> None:
     # Stored by toolbus 0.1.0: events only grow, so these must keep decoding.
     old = [
