@@ -533,6 +533,12 @@ class ModelConfig(_Model):
     def _base_url(cls, v: str | None) -> str | None:
         v = _http_base_url(v, "go as Basic auth in place of the key; give the key as "
                               "api_key: ${VAR}")
+        if v and re.search(r"[?#]", v):
+            # The API's path goes after it (a query would end up before the path), and a
+            # key given as `?key=` would show wherever the URL does.
+            raise ValueError("base_url must not have a query (?...) or fragment (#...): "
+                             "the API's path is added after it; give the key as "
+                             "api_key: ${VAR}")
         return v.rstrip("/") if v else v
 
     @field_validator("api_key")

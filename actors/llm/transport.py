@@ -438,8 +438,9 @@ async def send(client: ModelClient, req: WireRequest, *, key: str | None,
     except ModelError as err:
         if delivered:
             raise _partial(err.provider, redact(err.message, key), err.status) from err
-        if key and key in err.message:  # an error event quoting the key
-            raise ModelError(err.kind, redact(err.message, key), provider=err.provider,
+        cleaned = redact(err.message, key) if key else err.message
+        if cleaned != err.message:  # an error event quoting the key, or pieces of it
+            raise ModelError(err.kind, cleaned, provider=err.provider,
                              status=err.status, retryable=err.retryable,
                              retry_after_s=err.retry_after_s) from err.__cause__
         raise

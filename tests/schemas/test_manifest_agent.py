@@ -186,6 +186,18 @@ def test_a_base_url_with_a_password_is_refused_without_quoting_it(base_url: str,
     assert "default_headers" in message, message
 
 
+def test_a_model_base_url_with_a_query_is_refused_without_quoting_it() -> None:
+    # Google's documented `?key=`: printed whole at `toolbus up`'s start, and the API's
+    # path then went after the query.
+    text = ("agent_config: {model: {provider: gemini, model: m, base_url: "
+            "'https://generativelanguage.googleapis.com/v1beta?key=${GEMINI_KEY}'}}")
+    message = problems_of(text, GEMINI_KEY="AIzaSECRETSECRET")
+    assert "agent_config.model.base_url: " in message and "must not have a query" in message
+    assert "SECRET" not in message, message
+    assert "must not have a query" in problems_of(
+        "agent_config: {model: {provider: openai, model: m, base_url: 'http://h/v1#x'}}")
+
+
 def test_a_key_read_from_a_file_loses_its_line_end_and_a_broken_one_is_refused_unquoted(
         ) -> None:
     got = parse_manifest(f"agent_config: {{{MODEL}}}", env={"OPENAI_API_KEY": "sk-abc\r\n"})

@@ -530,6 +530,29 @@ async def test_a_key_split_by_a_space_or_cut_in_an_error_shows_none_of_its_piece
     assert message.count("[redacted]") == 3 and "platform.example.com/docs" in message
 
 
+async def test_a_streamed_error_event_quoting_a_piece_of_the_key_shows_none_of_it(
+        server: tuple[RawServer, int]) -> None:
+    # A cut key in an error event of a stream (a 200 whose events say what went wrong)
+    # came out as sent, in the error logged at each retry and stored in `turn.failed`:
+    # only the whole key, or one shaped like OpenAI's or Google's, was taken out there.
+    raw, port = server
+    key = "tok_9f8e7d6c5b4a3f2e1d0c9b8a7z"
+    event = {"error": {"message": f"Invalid API key {key[:16]}...", "type": "server_error"}}
+    raw.reply = events([f"data: {json.dumps(event)}\n\n".encode()])
+    settings = ModelSettings(provider="openai", model="m", api_key=key, max_retries=0,
+                             timeout_s=5.0, base_url=f"http://127.0.0.1:{port}")
+
+    async def on_delta(text: str) -> None:
+        pass
+
+    with pytest.raises(ModelError) as caught:
+        await complete(settings, system=None, messages=[Message(role="user", text="hi")],
+                       tools=[], on_delta=on_delta)
+    message = caught.value.message
+    assert not any(key[i:i + 8] in message for i in range(len(key) - 7)), message
+    assert "[redacted]" in message, message
+
+
 def test_a_placeholder_key_takes_no_words_out_of_errors_nor_costs_time_repeating_itself(
         ) -> None:
     # llama.cpp's documented placeholder: its pieces are words ("required").
