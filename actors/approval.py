@@ -105,8 +105,9 @@ def decide(call: CallRequested, tools: CompiledTools, policy: Policy, *, now: fl
     spec = compiled.spec
     arguments = call.arguments
     if not isinstance(arguments, dict):
-        kind = {list: "an array", type(None): "null"}.get(type(arguments),
-                                                            type(arguments).__name__)
+        kind = {list: "an array", type(None): "null", str: "a string", bool: "a boolean",
+                int: "a number", float: "a number"}.get(type(arguments),
+                                                       type(arguments).__name__)
         return reject("invalid_arguments", "schema",
                       f"arguments of {tool} must be a JSON object, got {kind}")
     if compiled.args is None:

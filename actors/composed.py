@@ -24,6 +24,7 @@ import msgspec
 from actors.llm.convert import model_json
 from actors.llm.transport import MAX_CALL_ID_CHARS, MAX_CALLS_PER_REPLY
 from actors.llm.types import Message
+from schemas.defaults import MAX_JSON_DEPTH
 from schemas.events import ModelToolCall, clip
 from schemas.ids import call_id_for
 from schemas.providers import compose_schema
@@ -70,7 +71,9 @@ def read_composed(text: str, validator: Validator, *, turn_id: str, base: int,
         body = body.rsplit("```", 1)[0].strip()
     try:
         value = model_json(body)
-    except msgspec.DecodeError:
+    except msgspec.DecodeError as exc:
+        if "deeper" in str(exc):
+            return text, [], [f"$: the answer nests deeper than {MAX_JSON_DEPTH} levels"]
         return text, [], [f"$: the answer is not JSON: {clip(text, 200)!r}"]
     if not isinstance(value, dict):
         return text, [], ["$: the answer is not a JSON object"]

@@ -38,6 +38,7 @@ from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
 from schemas.events import CallSucceeded, ResultCompressed
 from schemas.ids import is_token, result_compressed_id
 from schemas.manifest import DEFAULT_MAX_HISTORY_CHARS, AgentConfig, CompressionConfig
+from schemas.requests import strip_controls
 from schemas.state import CallState, SessionState
 
 log = logging.getLogger("toolbus.compressor")
@@ -116,7 +117,8 @@ def compress_call(state: SessionState, call: CallState, result: Any,
         try:
             value = compress.transform(result, call.transform)
         except compress.TransformError as exc:
-            error = msgspec.json.encode(str(exc)).decode()[1:-1][:_ERROR_CHARS]
+            # One line of plain text (the expression is the model's or a client's).
+            error = " ".join(strip_controls(str(exc)).split())[:_ERROR_CHARS]
             view, used_key = (stored(), key) if over else (text, None)
             view = f"{view}\n_transform failed: {error}"
         else:

@@ -69,7 +69,7 @@ from actors.composed import composed_prompt, composed_schema, flatten, read_comp
 from actors.compressor import CONTEXT_STATUS, RECALL, Compression, view_due
 from actors.kernel import Entry, Inbox, Kernel, SessionStates
 from actors.llm import ModelClient, WireMemo, complete
-from actors.llm.convert import model_json, stable_id
+from actors.llm.convert import TOO_DEEP, model_json, stable_id
 from actors.llm.types import Message, ModelResponse, ModelSettings, ToolCall
 from actors.session import InlineApproval, InlineApprover, due_in_turn
 from bus.catalog import Catalog
@@ -90,6 +90,7 @@ from bus.tasks import stop_task
 from schemas.defaults import (
     DECIDE_ATTEMPTS,
     MAX_EVENT_BYTES,
+    MAX_JSON_DEPTH,
     PARTITION_ACK_WAIT_S,
     SESSION_CACHE_SIZE,
 )
@@ -497,6 +498,9 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
                 refused = Refusal(reason="tool_not_offered", rule="planner:offered",
                                   message=clip(f"{c.name} is not one of the tools offered "
                                                f"to you in this turn; call one of: {listed}"))
+            elif (unusable := _unusable_arguments(c)) is not None:
+                refused = Refusal(reason="invalid_arguments", rule="planner:arguments",
+                                  message=unusable)
             # The refusal rides on the request too: an approval actor deciding the call
             # before the rejection is stored (in another process) refuses it alike.
             out.append(Append(CallRequested(
@@ -649,10 +653,32 @@ def _match(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
             applies_now = True  # no condition: always
         if applies_now:
             matched.append(p.id)
+    missed = any(p.when_state is not None and p.id not in matched for p in rules.policies)
+    if missed and (stored := _stored_by_reference(state.data)):
+        notes.append(f"when_state reads {{\"$ref\": key}} at {', '.join(stored)}: a result "
+                     "too large to go in an event is stored by reference, and no condition "
+                     "reads inside it; have the tool return less")
     return [Append(PoliciesMatched(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
                                    round=turn.round, matched=matched, by_model=by_model,
                                    model_iteration=iteration, notes=notes),
                    policies_matched_id(sid, turn.turn_id, turn.round))]
+
+
+def _stored_by_reference(data: dict[str, Any], most: int = 3,
+                         look: int = 10_000) -> list[str]:
+    """The paths of the state object (up to `most`, looking at up to `look` values) that
+    hold a result stored by reference (`{"$ref": key}`), not the result."""
+    found: list[str] = []
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in data.items()]
+    while stack and look > 0 and len(found) < most:
+        path, value = stack.pop()
+        look -= 1
+        if isinstance(value, dict):
+            if len(value) == 1 and isinstance(value.get("$ref"), str):
+                found.append(path)
+            else:
+                stack.extend((f"{path}.{k}", v) for k, v in value.items())
+    return sorted(found)
 
 
 def _think_due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
@@ -1156,6 +1182,26 @@ def _result_text(call: CallState | None) -> tuple[str, bool]:
     if error is None:
         return f"the call ended {call.status}", True
     return f"{error.error_type}: {error.message}", True
+
+
+def _unusable_arguments(call: ModelToolCall) -> str | None:
+    """Why the arguments the model sent for `call` are no JSON at all, or nest too deeply
+    to keep, said so that it can send them again right; None if they were JSON (one that
+    is not an object is refused by the approval actor, which names its kind)."""
+    raw = call.extra.get("invalid_arguments")
+    if not isinstance(raw, str):
+        return None
+    if raw == TOO_DEEP:
+        why = f"nest deeper than {MAX_JSON_DEPTH} levels"
+    else:
+        try:
+            model_json(raw)
+            return None
+        except msgspec.DecodeError as exc:
+            why = (f"nest deeper than {MAX_JSON_DEPTH} levels" if "deeper" in str(exc)
+                   else f"are not valid JSON ({exc})")
+    return clip(f"arguments of {call.name} {why}: send them again as one JSON object, "
+                f"no deeper than {MAX_JSON_DEPTH} levels")
 
 
 def _as_sent(call: ToolCall) -> Any:

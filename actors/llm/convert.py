@@ -8,7 +8,7 @@ import hashlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Self
+from typing import Any, Final, Self
 
 import msgspec
 
@@ -179,6 +179,10 @@ def model_json(text: str | bytes) -> Any:
     raise msgspec.DecodeError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
 
 
+# What stands for arguments that came as an object nested too deeply to keep.
+TOO_DEEP: Final = f"(a JSON value nested deeper than {MAX_JSON_DEPTH} levels)"
+
+
 def parse_arguments(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arguments, extra) from a JSON string or an object. Arguments that are not a JSON
     object (or nest deeper than `MAX_JSON_DEPTH`) are kept verbatim in
@@ -199,8 +203,7 @@ def parse_arguments(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if isinstance(value, dict) and not deep:
         return value, {}
     if deep:  # could not be stored, folded or validated: refused, and the model told why
-        return {}, {"invalid_arguments": f"(a JSON value nested deeper than {MAX_JSON_DEPTH} "
-                                         "levels)"}
+        return {}, {"invalid_arguments": TOO_DEEP}
     return {}, {"invalid_arguments": msgspec.json.encode(value).decode()}
 
 

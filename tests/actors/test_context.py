@@ -153,6 +153,7 @@ async def test_transform_gives_the_model_exactly_the_selected_fields(
     # A bad expression: the standard preview, and the error.
     assert bad["content"].startswith("[STORED: _tool_result_1 | testing:list_commits]")
     assert "_transform failed:" in bad["content"] and "[0.sha" in bad["content"]
+    assert 'JMESPath expression "[0.sha" is not valid' in bad["content"]  # not \" escaped
     events = [s.event for s in await EventLog(bus).read_session(sid)]
     views = {e.call_id: e for e in events if isinstance(e, ResultCompressed)}
     assert len(views) == 2

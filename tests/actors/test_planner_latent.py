@@ -300,6 +300,17 @@ def test_a_composed_output_becomes_an_emit_output_call_under_output_when_wrapped
     assert none == [] and broken and broken[0].startswith("$.output")
 
 
+def test_a_composed_answer_nested_too_deeply_is_told_so_not_that_it_is_not_json() -> None:
+    schema = composed_schema([], None, emit_output=EMIT_OUTPUT)
+    deep = '{"output": ' + "[" * 100 + "]" * 100 + ', "calls": []}'
+    _, calls, violations = read_composed(deep, Validator(schema), turn_id="t1", base=0,
+                                         emit_output=None, wrapped=False)
+    assert calls == [] and violations == ["$: the answer nests deeper than 64 levels"]
+    _, _, broken = read_composed('{"output": "cut', Validator(schema), turn_id="t1", base=0,
+                                 emit_output=None, wrapped=False)
+    assert broken[0].startswith("$: the answer is not JSON")
+
+
 def test_a_composed_call_keeps_a_tool_parameter_named_with_an_underscore() -> None:
     # Only the composed schema's own keys are taken out of a call: a tool's `_id`
     # parameter stays (it was dropped with them, and the call refused for missing it).

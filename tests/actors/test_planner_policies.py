@@ -727,6 +727,26 @@ def test_a_when_state_that_would_build_an_exponential_value_is_stopped_and_noted
     assert note.startswith("bomb: when_state failed") and "steps" in note
 
 
+def test_a_condition_on_a_result_stored_by_reference_says_so_when_it_does_not_hold(
+        ) -> None:
+    # A result over what an event holds lands in the state as {"$ref": key}: a policy on
+    # it never applied, and nothing said why.
+    rules = agent({"policies": [
+        {"id": "read", "when_state": "files.read.size > `0`", "action": "A file was read."},
+        {"id": "small", "when_state": "files.small.size > `0`", "action": "Small, read."}]})
+    state = _fold([TurnRequested(session_id="s", at=0.0, actor="session", turn_id="t",
+                                 request_id="t", call_ids=[], message="hi")])
+    state.data.update({"files": {"read": {"$ref": "s/t-0/1"}, "small": {"size": 3}}})
+    (matched,) = decide(state, Offer(provider="openai", model="m"), now=0.0, rules=rules)
+    assert isinstance(matched.event, PoliciesMatched) and matched.event.matched == ["small"]
+    (note,) = matched.event.notes
+    assert note.startswith('when_state reads {"$ref": key} at files.read: a result too '
+                           "large to go in an event is stored by reference"), note
+    state.data["files"]["read"] = {"size": 9}  # nothing stored by reference: no note
+    (matched,) = decide(state, Offer(provider="openai", model="m"), now=0.0, rules=rules)
+    assert isinstance(matched.event, PoliciesMatched) and matched.event.notes == []
+
+
 def test_an_output_schema_that_is_not_an_object_is_emitted_under_output() -> None:
     rules = agent({"output_schema": {"type": "array", "items": {"type": "string"}}})
     assert rules.emit is not None
@@ -740,6 +760,30 @@ def test_an_output_schema_that_is_not_an_object_is_emitted_under_output() -> Non
     unparsed = ModelToolCall(call_id="t-2", id="c", name=EMIT_OUTPUT, arguments='{"out',
                              extra={"invalid_arguments": '{"out'})
     assert "not a JSON object" in rules.judge_output(unparsed)[1][0]
+
+
+def test_arguments_that_are_no_json_object_are_refused_saying_why() -> None:
+    """The model read "must be a JSON object, got str" for text that is not JSON, and for
+    arguments nested too deeply (a Gemini object, or JSON text), which it cannot fix."""
+    from actors.llm.convert import TOO_DEEP, parse_arguments
+    from actors.planner import _unusable_arguments
+
+    def why(raw: Any) -> str | None:
+        arguments, extra = parse_arguments(raw)
+        return _unusable_arguments(ModelToolCall(call_id="t-0", id="a", name="ns:tool",
+                                                 arguments=arguments, extra=extra))
+
+    deep: Any = []
+    for _ in range(100):
+        deep = [deep]
+    assert parse_arguments({"x": deep})[1] == {"invalid_arguments": TOO_DEEP}
+    for raw in ({"x": deep}, json.dumps({"x": deep})):  # an object, or JSON text
+        assert why(raw) == ("arguments of ns:tool nest deeper than 64 levels: send them "
+                            "again as one JSON object, no deeper than 64 levels")
+    told = why('{"text": "cut off')
+    assert told is not None and told.startswith("arguments of ns:tool are not valid JSON (")
+    assert why({"text": "fine"}) is None
+    assert why('"a string"') is None  # JSON: the approval actor names its kind
 
 
 # --- what is offered -----------------------------------------------------------------------

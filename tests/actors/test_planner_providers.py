@@ -458,10 +458,12 @@ async def test_arguments_that_are_not_json_are_refused_and_never_run_the_tool(
     history = api.history(fake.requests[1])
     if api.provider == "openai":
         assert history[-2]["tool_calls"][0]["function"]["arguments"] == broken
-        assert "JSON" in history[-1]["content"]
+        told = history[-1]["content"]
     else:
         assert history[-2]["arguments"] == broken
-        assert "JSON" in history[-1]["output"]
+        told = history[-1]["output"]
+    # Why, as the model can act on it (it read "must be a JSON object, got str").
+    assert "arguments of built-in:echo are not valid JSON" in told, told
     await assert_replay_equals_live(bus, client, sid)
 
 
@@ -487,6 +489,8 @@ async def test_arguments_nested_too_deeply_are_refused_and_the_turn_goes_on(
         [("rejected", "invalid_arguments")], end.outcomes
     history = api.history(fake.requests[1])
     assert history[-2]["tool_calls"][0]["function"]["arguments"] == arguments
+    assert "arguments of built-in:echo nest deeper than 64 levels" in \
+        history[-1]["content"], history[-1]
     await assert_replay_equals_live(bus, client, sid)
 
 

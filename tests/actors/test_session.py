@@ -148,7 +148,7 @@ async def test_arguments_that_are_not_an_object_reject_that_call_only(
     assert isinstance(end, TurnCompleted)
     assert [o.status for o in end.outcomes] == ["rejected", "succeeded", "rejected"]
     assert end.outcomes[0].error.error_type == "invalid_arguments"  # type: ignore[union-attr]
-    assert "must be a JSON object, got str" in end.outcomes[0].error.message  # type: ignore[union-attr]
+    assert "must be a JSON object, got a string" in end.outcomes[0].error.message  # type: ignore[union-attr]
     assert end.outcomes[2].error.error_type == "invalid_tool_name"  # type: ignore[union-attr]
     await assert_replay_equals_live(bus, client, sid)
 
