@@ -195,14 +195,17 @@ class _TooLarge(Exception):
 
 
 class _Budget:
-    """What one evaluation may still spend: steps (nodes visited, elements flattened or
-    handed to a function, values measured) and characters (measured or scanned)."""
+    """What one evaluation may still spend: steps (nodes visited, elements flattened,
+    values measured), characters (of what it encodes: `to_string`, `join`), and scan
+    (what the C code under a function or a comparison goes through: an element handed
+    to a function counts `_SCAN_PER_ELEMENT`, a character of text one)."""
 
-    __slots__ = ("chars", "steps")
+    __slots__ = ("chars", "scan", "steps")
 
     def __init__(self) -> None:
         self.steps = MAX_TRANSFORM_NODES
         self.chars = MAX_TRANSFORM_CHARS
+        self.scan = MAX_TRANSFORM_SCAN
 
     def spend(self, steps: int, chars: int = 0) -> None:
         self.steps -= steps
@@ -210,17 +213,35 @@ class _Budget:
         if self.steps < 0:
             raise _TooLarge(f"it takes over {MAX_TRANSFORM_NODES:,} steps")
         if self.chars < 0:
-            raise _TooLarge(f"it reads or builds over {MAX_TRANSFORM_CHARS:,} characters")
+            raise _TooLarge(f"it builds over {MAX_TRANSFORM_CHARS:,} characters")
+
+    def scanned(self, units: int) -> None:
+        self.scan -= units
+        if self.scan < 0:
+            raise _TooLarge("its functions and comparisons read over "
+                            f"{MAX_TRANSFORM_SCAN:,} characters (an element counts "
+                            f"{_SCAN_PER_ELEMENT})")
 
 
-def _measure(value: Any, budget: _Budget | None = None) -> None:
+# A function handed a large array or text, or a comparison of large values, runs in C
+# (or in jmespath's type check, a short Python loop per element): cheap each time, but
+# once per element of a projection over shared references it adds up. About a third of a
+# second of the event loop at most, on a slow machine.
+MAX_TRANSFORM_SCAN: Final = 64_000_000
+_SCAN_PER_ELEMENT: Final = 16
+
+
+def _measure(value: Any, budget: _Budget | None = None) -> int:
     """Raise `_TooLarge` if `value`, encoded as a tree (shared references counted each
     time), would hold more values or characters of strings than `budget` has left (a
-    fresh one: `MAX_TRANSFORM_NODES` and `MAX_TRANSFORM_CHARS`); spends them."""
+    fresh one: `MAX_TRANSFORM_NODES` and `MAX_TRANSFORM_CHARS`); spends them, and
+    returns how many values it holds."""
     budget = budget or _Budget()
     stack = [value]
+    count = 0
     while stack:
         item = stack.pop()
+        count += 1
         budget.spend(1)
         if isinstance(item, str):
             budget.spend(0, len(item))
@@ -230,20 +251,30 @@ def _measure(value: Any, budget: _Budget | None = None) -> None:
                 stack.append(v)
         elif isinstance(item, list):
             stack.extend(item)
+    return count
+
+
+def _scan_cost(value: Any) -> int:
+    """What reading `value` once costs, shallowly (see `_Budget.scanned`)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list | dict):
+        return len(value) * _SCAN_PER_ELEMENT
+    return 0
 
 
 # Functions whose cost does not grow with their arguments' size.
-_FLAT_COST = frozenset({"length", "type", "not_null", "starts_with", "ends_with", "abs",
-                        "ceil", "floor", "to_array"})
+_FLAT_COST = frozenset({"length", "type", "not_null", "abs", "ceil", "floor", "to_array"})
 # Functions whose cost grows with the whole of their arguments: measured first.
 _DEEP_COST = frozenset({"to_string", "join"})
 
 
 class _Functions(jmespath.functions.Functions):  # type: ignore[misc]
     """JMESPath's functions, each call charged to its evaluation's budget: the whole
-    argument for the two that encode one (`to_string`, `join`), else the elements of an
-    array or object and the characters of a text (`contains` scans it; `sort`, `max`,
-    `merge` and the rest go through every element)."""
+    argument for the two that encode one (`to_string`, `join`), else a scan of the
+    elements of each array or object and the characters of each text (`contains` and
+    `starts_with` compare them; `sort`, `max`, `merge` and the rest go through every
+    element); `contains` of a large value in an array, that value once per element."""
 
     def __init__(self, budget: _Budget) -> None:
         super().__init__()
@@ -256,11 +287,12 @@ class _Functions(jmespath.functions.Functions):  # type: ignore[misc]
             for arg in resolved_args:
                 _measure(arg, budget)
         elif function_name not in _FLAT_COST:
-            for arg in resolved_args:
-                if isinstance(arg, list | dict):
-                    budget.spend(len(arg))
-                elif isinstance(arg, str):
-                    budget.spend(0, len(arg))
+            budget.scanned(sum(_scan_cost(arg) for arg in resolved_args))
+            if function_name == "contains" and len(resolved_args) == 2 and \
+                    isinstance(resolved_args[0], list) and \
+                    isinstance(resolved_args[1], list | dict):
+                budget.scanned(len(resolved_args[0]) *
+                               _measure(resolved_args[1], budget) * _SCAN_PER_ELEMENT)
         return super().call_function(function_name, resolved_args)
 
     @jmespath.functions.signature(  # type: ignore[untyped-decorator]
@@ -271,25 +303,52 @@ class _Functions(jmespath.functions.Functions):  # type: ignore[misc]
 
 
 class _Bounded(jmespath.visitor.TreeInterpreter):  # type: ignore[misc]
-    """The interpreter, counting the nodes it visits and the elements it flattens, its
-    functions charging the same budget."""
+    """The interpreter, counting the nodes it visits and the elements it flattens
+    (before it builds the flat list), and what its comparisons read; its functions
+    charge the same budget."""
 
     def __init__(self) -> None:
         self._budget = _Budget()
         super().__init__(jmespath.Options(custom_functions=_Functions(self._budget)))
-
-    def _spend(self, n: int) -> None:
-        self._budget.spend(n)
 
     def visit(self, node: Any, *args: Any, **kwargs: Any) -> Any:
         self._budget.spend(1)
         return super().visit(node, *args, **kwargs)
 
     def visit_flatten(self, node: Any, value: Any) -> Any:
-        out = super().visit_flatten(node, value)
-        if isinstance(out, list):
-            self._spend(len(out))
-        return out
+        base = self.visit(node["children"][0], value)
+        if not isinstance(base, list):
+            return None  # as jmespath: only a list flattens
+        self._budget.spend(sum(len(e) if isinstance(e, list) else 1 for e in base))
+        merged: list[Any] = []
+        for element in base:
+            if isinstance(element, list):
+                merged.extend(element)
+            else:
+                merged.append(element)
+        return merged
+
+    def visit_comparator(self, node: Any, value: Any) -> Any:
+        left = self.visit(node["children"][0], value)
+        right = self.visit(node["children"][1], value)
+        # Two texts are compared up to the shorter; two arrays or objects, value by value.
+        if isinstance(left, str) and isinstance(right, str):
+            self._budget.scanned(min(len(left), len(right)))
+        elif isinstance(left, list | dict) and isinstance(right, type(left)):
+            smaller = left if len(left) <= len(right) else right
+            self._budget.scanned(_measure(smaller, self._budget) * _SCAN_PER_ELEMENT)
+        return _compare(self, node["value"], left, right)
+
+
+def _compare(interpreter: Any, op: str, left: Any, right: Any) -> Any:
+    """jmespath's `visit_comparator` on values already evaluated."""
+    compare = interpreter.COMPARATOR_FUNC[op]
+    if op in interpreter._EQUALITY_OPS:
+        return compare(left, right)
+    if not (jmespath.visitor._is_comparable(left) and
+            jmespath.visitor._is_comparable(right)):
+        return None  # ordering is for numbers (and texts) only
+    return compare(left, right)
 
 
 # -- helpers

@@ -654,31 +654,34 @@ def _match(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
         if applies_now:
             matched.append(p.id)
     missed = any(p.when_state is not None and p.id not in matched for p in rules.policies)
-    if missed and (stored := _stored_by_reference(state.data)):
-        notes.append(f"when_state reads {{\"$ref\": key}} at {', '.join(stored)}: a result "
-                     "too large to go in an event is stored by reference, and no condition "
-                     "reads inside it; have the tool return less")
+    if missed and (stored := _stored_by_reference(state)):
+        notes.append(clip(f"when_state reads {{\"$ref\": key}} at {', '.join(stored)}: a "
+                          "result too large to go in an event is stored by reference, and no "
+                          "condition reads inside it; have the tool return less", 1000))
     return [Append(PoliciesMatched(session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id,
                                    round=turn.round, matched=matched, by_model=by_model,
                                    model_iteration=iteration, notes=notes),
                    policies_matched_id(sid, turn.turn_id, turn.round))]
 
 
-def _stored_by_reference(data: dict[str, Any], most: int = 3,
-                         look: int = 10_000) -> list[str]:
-    """The paths of the state object (up to `most`, looking at up to `look` values) that
-    hold a result stored by reference (`{"$ref": key}`), not the result."""
-    found: list[str] = []
-    stack: list[tuple[str, Any]] = [(k, v) for k, v in data.items()]
-    while stack and look > 0 and len(found) < most:
-        path, value = stack.pop()
-        look -= 1
-        if isinstance(value, dict):
-            if len(value) == 1 and isinstance(value.get("$ref"), str):
-                found.append(path)
-            else:
-                stack.extend((f"{path}.{k}", v) for k, v in value.items())
-    return sorted(found)
+def _stored_by_reference(state: SessionState, most: int = 3) -> list[str]:
+    """The paths of the state object (up to `most`) that hold a result stored by
+    reference (`{"$ref": key}`, its call's), not the result."""
+    found: set[str] = set()
+    for call in state.calls.values():
+        ref, path = call.result_ref, call.output_path
+        if ref is not None and path and call.status == "succeeded" and \
+                _at_path(state.data, path) == {"$ref": ref.key}:
+            found.add(clip(path, 200))
+    return sorted(found)[:most]
+
+
+def _at_path(data: Any, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
 
 
 def _think_due(state: SessionState, turn: TurnState, offer: Offer, rules: Rules,
@@ -1658,6 +1661,8 @@ class Planner:
                 new_session = provisional
                 planned = with_turn(entry.state, event)
                 items = self._decide(planned)
+                if not items:
+                    return  # nothing due yet (it waits for the session's turn before it)
                 asks = self._asks(planned, items)
                 tasks = [] if new_session else [self._start_call(a) for a in asks]
                 async with asyncio.timeout(_EARLY_WAIT_S):

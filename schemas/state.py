@@ -220,9 +220,10 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
     result_keys: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-# Bumped whenever the shape of `SessionState` changes, so that older snapshots are
-# ignored (and the session folded from the log) instead of misread.
-STATE_VERSION = 8
+# Bumped whenever the shape of `SessionState` changes, or what folding makes of an event,
+# so that older snapshots are ignored (and the session folded from the log) instead of
+# misread. 9: `set_path` no longer writes into an earlier result (`p`, then `p.q`).
+STATE_VERSION = 9
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:

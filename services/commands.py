@@ -852,11 +852,13 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 await _stop_turn(client, session, turn_id_for(request_id))
                 raise
             except BusTimeoutError as exc:
-                if messages is not None:
-                    raise  # one turn: its timeout is the command's end
-                # Interactive: said, and the next line is a turn of its own (as after a
-                # failed turn).
-                print(f"\ntoolbus: {exc}", file=sys.stderr, flush=True)
+                # Its turn is cancelled, as at Ctrl-C: left running, it would hold the
+                # session's next messages back (one turn at a time) for as long as it
+                # takes. Interactive, the next line is a turn of its own.
+                print(f"\ntoolbus: {exc}".split("; it goes on:")[0], file=sys.stderr,
+                      flush=True)
+                await _stop_turn(client, session, turn_id_for(request_id),
+                                 why=f"no answer within --timeout {args.timeout:g} s")
                 code = EXIT_BUS
                 continue
             finally:
@@ -890,16 +892,20 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
     return code
 
 
-async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
-    """Cancel the turn `toolbus chat` was interrupted in (bounded), and say how it ended;
-    else how to stop it. Said where it can be: with stderr a closed pipe (`2>&1 | head`),
-    the turn is cancelled all the same."""
+async def _stop_turn(client: Any, session: str, turn_id: str, *,
+                     why: str = "interrupted") -> None:
+    """Cancel the turn `toolbus chat` was interrupted in, or gave up waiting for
+    (bounded), and say how it ended; else how to stop it. Said where it can be: with
+    stderr a closed pipe (`2>&1 | head`), the turn is cancelled all the same."""
     global _interrupt_said
     _interrupt_said = True
     how = f"toolbus cancel {turn_id} --session {session}"
-    say(f"\ntoolbus: interrupted: cancelling turn {turn_id} (again to stop waiting)")
+    interrupted = why == "interrupted"
+    say(f"{chr(10) if interrupted else ''}toolbus: {why}: cancelling turn {turn_id} "
+        f"({'again' if interrupted else 'Ctrl-C'} to stop waiting)")
     try:
-        end = await client.cancel(session, turn_id, reason="toolbus chat was interrupted",
+        end = await client.cancel(session, turn_id, reason="toolbus chat was interrupted"
+                                  if interrupted else f"toolbus chat: {why}",
                                   timeout=_STOP_TURN_S)
     except asyncio.CancelledError:  # interrupted again: left running, and said how to stop
         say(f"toolbus: turn {turn_id} may still be running (unless the cancel sent was "
@@ -909,13 +915,13 @@ async def _stop_turn(client: Any, session: str, turn_id: str) -> None:
         say(f"toolbus: turn {turn_id} may still be running ({exc}); stop it with: {how}")
         return
     if isinstance(end, TurnCancelled):
-        say(f"toolbus: interrupted: turn {turn_id} cancelled")
+        say(f"toolbus: {why}: turn {turn_id} cancelled")
     elif isinstance(end, RequestRejected):
         # Not known yet (its request still on its way), or already over.
-        say(f"toolbus: interrupted: turn {turn_id} not cancelled "
+        say(f"toolbus: {why}: turn {turn_id} not cancelled "
             f"({_printable(end.message)}); if it runs: {how}")
     else:
-        say(f"toolbus: interrupted: turn {turn_id} had ended")
+        say(f"toolbus: {why}: turn {turn_id} had ended")
 
 
 _STOP_TURN_S = 5.0

@@ -455,7 +455,7 @@ async def test_a_turn_with_two_parallel_calls_then_an_answer(
 
 async def test_a_message_sent_while_the_model_answers_the_one_before_waits_for_its_end(
         bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
-        sid: str, nats_url: str) -> None:
+        sid: str, nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """Both turns were planned at once: the second's model never saw the first answer
     (nor the first's the second message), and the answers could cross. `toolbus chat`
     says what its turn waits for."""
@@ -489,6 +489,8 @@ async def test_a_message_sent_while_the_model_answers_the_one_before_waits_for_i
         history.index(("assistant", "First answer.")) < \
         history.index(("user", "Second question."))
     assert len(model.received) == 3
+    # Planned as it was stored, the waiting turn had nothing to write (it failed so).
+    assert not [r for r in caplog.records if "as it was stored failed" in r.getMessage()]
 
 
 async def test_calls_the_model_gave_one_id_are_answered_one_to_one(
@@ -698,6 +700,7 @@ async def _waiting_for_a_human(bus: Bus, system: dict[str, Any], client: Toolbus
     p = Planner(bus, system["catalog"], settings,
                 tools=lambda spec: spec.name.startswith("approvals:"))
     await p.start()
+    system["session"].early_turn = p.early_turn  # as `toolbus up` wires them
     try:
         async with EventWatch(bus, sid) as watch:
             model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
@@ -706,6 +709,7 @@ async def _waiting_for_a_human(bus: Bus, system: dict[str, Any], client: Toolbus
             events = await watch.until(lambda evs: bool(of_type(evs, "approval.requested")))
             yield asking, of_type(events, "approval.requested")[0]
     finally:
+        system["session"].early_turn = None
         await p.stop()
 
 
@@ -727,6 +731,28 @@ async def test_a_call_needing_a_human_pauses_the_turn_until_someone_decides(
     assert isinstance(end, TurnCompleted) and end.text == "Written."
     assert json.loads(next(m for m in model.received[1]["messages"]
                            if m["role"] == "tool")["content"]) == {"wrote": "hi"}
+
+
+async def test_a_message_sent_while_a_turn_waits_for_a_human_waits_for_that_turn_too(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    async with _waiting_for_a_human(bus, system, client, model, sid,
+                                    (200, reply("Written.")), (200, reply("Then this."))
+                                    ) as (asking, waiting):
+        second = asyncio.create_task(client.ask(sid, "And then?"))
+        await asyncio.sleep(0.5)
+        assert len(model.received) == 1 and not second.done()
+        approved = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "approve",
+                             waiting.call_id, "--session", sid, "--nats", nats_url],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert approved.returncode == 0, approved.stderr
+        first, then = await asyncio.wait_for(asyncio.gather(asking, second), 30)
+    assert isinstance(first, TurnCompleted) and first.text == "Written.", first
+    assert isinstance(then, TurnCompleted) and then.text == "Then this.", then
+    # Planned as it was stored (the session's lock free while a human is asked), the
+    # waiting turn had nothing to write, and failed saying so.
+    assert not [r for r in caplog.records if "as it was stored failed" in r.getMessage()]
 
 
 async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_list(
@@ -1111,6 +1137,11 @@ async def test_interactive_chat_goes_on_after_a_turn_that_timed_out(
                          "--timeout", "3", "--nats", nats_url], input="first\nsecond\n",
         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert "was accepted but had not ended after 3 s" in out.stderr
+    # Cancelled, as at Ctrl-C: left running, it held the next line back (one turn of a
+    # session at a time), and said "it goes on".
+    assert re.search(r"no answer within --timeout 3 s: turn \w+ cancelled", out.stderr), \
+        out.stderr
+    assert "it goes on" not in out.stderr
     assert out.stdout == "Second answer.\n", out.stderr
     assert out.returncode == 3  # a turn timed out
 

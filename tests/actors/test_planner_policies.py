@@ -730,19 +730,32 @@ def test_a_when_state_that_would_build_an_exponential_value_is_stopped_and_noted
 def test_a_condition_on_a_result_stored_by_reference_says_so_when_it_does_not_hold(
         ) -> None:
     # A result over what an event holds lands in the state as {"$ref": key}: a policy on
-    # it never applied, and nothing said why.
+    # it never applied, and nothing said why. A result that merely holds a "$ref" (a
+    # JSON Schema) is not one.
+    from schemas.events import CallRequested, CallSucceeded, ResultRef
     rules = agent({"policies": [
         {"id": "read", "when_state": "files.read.size > `0`", "action": "A file was read."},
-        {"id": "small", "when_state": "files.small.size > `0`", "action": "Small, read."}]})
-    state = _fold([TurnRequested(session_id="s", at=0.0, actor="session", turn_id="t",
-                                 request_id="t", call_ids=[], message="hi")])
-    state.data.update({"files": {"read": {"$ref": "s/t-0/1"}, "small": {"size": 3}}})
+        {"id": "schema", "when_state": "files.schema.size > `0`", "action": "Never."}]})
+    common = {"session_id": "s", "at": 0.0, "actor": "x", "turn_id": "t"}
+    events: list[Event] = [TurnRequested(**common, request_id="t", call_ids=[],
+                                         message="hi")]
+    for i, (path, result, ref) in enumerate([
+            ("files.read", None, ResultRef(key="s/t-0/1", size=300_000, sha256="0")),
+            ("files.schema", {"$ref": "#/definitions/a"}, None)]):
+        events += [CallRequested(**common, call_id=f"t-{i}", tool="files:read",
+                                 arguments={}, output_path=path),
+                   CallSucceeded(**common, call_id=f"t-{i}", executor="e", result=result,
+                                 result_ref=ref)]
+    state = _fold(events)
+    assert state.data["files"]["read"] == {"$ref": "s/t-0/1"}
     (matched,) = decide(state, Offer(provider="openai", model="m"), now=0.0, rules=rules)
-    assert isinstance(matched.event, PoliciesMatched) and matched.event.matched == ["small"]
+    assert isinstance(matched.event, PoliciesMatched) and matched.event.matched == []
     (note,) = matched.event.notes
     assert note.startswith('when_state reads {"$ref": key} at files.read: a result too '
                            "large to go in an event is stored by reference"), note
-    state.data["files"]["read"] = {"size": 9}  # nothing stored by reference: no note
+    rules = agent({"policies": [{"id": "schema", "when_state": "files.schema.size > `0`",
+                                 "action": "Never."}]})
+    state.data["files"]["read"] = {"size": 9}  # a later result took its place: no note
     (matched,) = decide(state, Offer(provider="openai", model="m"), now=0.0, rules=rules)
     assert isinstance(matched.event, PoliciesMatched) and matched.event.notes == []
 
