@@ -331,6 +331,11 @@ def test_recall_pages_of_any_value_reassemble_it(result: Any, budget: int) -> No
     # ... a text scanned once per reference to it.
     "[0].commit.message | " + " | ".join(["[" + ",".join("@" * 16) + "]"] * 4) +
     " | [] | [] | [] | [*].contains(@, 'zz')",
+    # ... or compared whole, with itself or another.
+    "[0].commit.message | " + " | ".join(["[" + ",".join("@" * 16) + "]"] * 4) +
+    " | [] | [] | [] | [*].starts_with(@, @)",
+    "[@, @] | " + " | ".join(["[" + ",".join("@" * 16) + "]"] * 3) +
+    " | [] | [] | [*].[[0] == [1]]",
 ])
 def test_an_expression_that_would_blow_up_is_refused_quickly(expression: str) -> None:
     import time
@@ -341,6 +346,24 @@ def test_an_expression_that_would_blow_up_is_refused_quickly(expression: str) ->
     with pytest.raises(TransformError):
         recall(COMMITS, path=expression)
     assert time.perf_counter() - start < 5
+
+
+def test_a_flatten_is_charged_before_its_list_is_built() -> None:
+    # 100 references to a large array, flattened: the whole list was built (gigabytes
+    # for a few million elements) before its length was counted.
+    with pytest.raises(TransformError, match="steps"):
+        transform(list(range(300_000)), "[" + ",".join("@" * 100) + "] | []")
+
+
+def test_filters_and_functions_over_a_large_result_are_not_refused() -> None:
+    # What `_transform` is for: narrowing a large result. Charging what functions read
+    # to the 4M characters a value may build refused these.
+    bodies = [{"id": i, "body": "x" * 1000 + ("refund" if i % 100 == 0 else "")}
+              for i in range(5000)]
+    assert transform(bodies, "[?contains(body, `\"refund\"`)].id") == \
+        list(range(0, 5000, 100))
+    assert transform({"xs": list(range(150_000))}, "max(xs)") == 149_999
+    assert transform(bodies, "[?starts_with(body, 'xxx')] | length(@)") == 5000
 
 
 def test_a_type_error_names_the_types_not_the_value() -> None:
