@@ -88,6 +88,7 @@ def default_instance_name(pool: str | None = None) -> str:
 # entry in `toolbus_executors` and an `_instance` route: two executors sharing one would
 # overwrite each other's presence and split each other's named calls.
 _RUNNING: dict[str, Executor] = {}
+_ANNOUNCING: set[asyncio.Task[None]] = set()  # announcements of a changed tool list
 
 
 # The dispatch of the call a tool is running, for the few tools that act on their
@@ -164,11 +165,22 @@ class Executor:
 
     def set_tools(self, namespace: str, tools: Iterable[RunnableTool]) -> None:
         """Replace the tools of one namespace (an MCP server's list changed). A call for a
-        tool no longer here fails `unknown_tool`."""
+        tool no longer here fails `unknown_tool`. Announced at once once started (the
+        planner offers a model only the tools a live executor lists)."""
         for name in [n for n, t in self._tools.items() if t.spec.namespace == namespace]:
             del self._tools[name]
         for t in tools:
             self._tools[t.spec.name] = with_pool(t, self._pool)
+        if self._heartbeat is not None and not self._heartbeat.done():
+            task = asyncio.create_task(self._announce_quietly())
+            _ANNOUNCING.add(task)
+            task.add_done_callback(_ANNOUNCING.discard)
+
+    async def _announce_quietly(self) -> None:
+        try:
+            await self._announce()
+        except Exception as exc:  # the next refresh tries again
+            log.warning("executor %s: could not announce its tools: %s", self.instance, exc)
 
     def _output_validator(self, tool: RunnableTool) -> Validator | None:
         spec = tool.spec

@@ -1494,7 +1494,7 @@ class Planner:
         served = self._catalog.served()
         return Offer(provider=settings.provider, model=settings.model,
                      tools=tuple(s for s in specs if offered(s)
-                                 and (s.default_pool, s.namespace) in served),
+                                 and (s.default_pool, s.name) in served),
                      catalog=catalog, permits=self._permits(sid, catalog))
 
     def _permits(self, sid: str, catalog: Mapping[str, ToolSpec]

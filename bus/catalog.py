@@ -196,8 +196,10 @@ class Catalog:
                    for info in self._executors.items.values())
 
     def served(self) -> frozenset[tuple[str, str]]:
-        """The (pool, namespace) pairs some live executor takes calls of now."""
-        return frozenset((info.pool, tool.partition(":")[0])
+        """The (pool, tool name) pairs some live executor takes calls of now: a tool an
+        earlier manifest left in the catalog is not one, even when a live executor serves
+        others of its namespace."""
+        return frozenset((info.pool, tool)
                          for info in self._executors.items.values() for tool in info.tools)
 
     async def wait_for_instance(self, instance: str, timeout: float = 10.0) -> None:

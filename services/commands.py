@@ -1031,6 +1031,12 @@ async def _call(url: str, args: argparse.Namespace) -> int:
     elif isinstance(end, TurnFailed):
         print(f"toolbus: turn failed ({end.reason}): {_printable(end.message)}",
               file=sys.stderr)
+    elif isinstance(end, TurnCancelled):  # its call had not run (waiting for a human)
+        print(f"toolbus: {_printable(args.tool)} did not run: the turn was cancelled "
+              f"({end.reason}): {_printable(end.message)}", file=sys.stderr)
+    else:
+        print(f"toolbus: {_printable(args.tool)} did not succeed ({type(end).__name__})",
+              file=sys.stderr)
     return EXIT_CALL_FAILED
 
 

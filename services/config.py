@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import platformdirs
@@ -14,7 +15,9 @@ from bus.auth import read_role_url
 from bus.connection import DEFAULT_NATS_URL
 from schemas.defaults import EXECUTOR_ACK_WAIT_S, MAX_IN_FLIGHT
 from schemas.errors import ConfigError, ManifestError
-from schemas.manifest import Manifest, parse_manifest, usable_key, with_base_dir
+
+if TYPE_CHECKING:
+    from schemas.manifest import Manifest
 
 
 def default_nats_url() -> str:
@@ -126,6 +129,9 @@ class ActorSettings:
 
 def load_manifest(path: Path) -> Manifest:
     """Read and validate a manifest, resolving `${VAR}` from this process's environment."""
+    # Here, not at the top: the manifest's models take a third of every command's start.
+    from schemas.manifest import parse_manifest, with_base_dir
+
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -141,6 +147,8 @@ def load_manifest(path: Path) -> Manifest:
 def tool_secrets() -> dict[str, str]:
     """Provider keys the built-in tools may use, from the environment, as a manifest's
     `api_key` is taken (`usable_key`): a key no header may carry is refused at boot."""
+    from schemas.manifest import usable_key
+
     out = {}
     for name in ("TAVILY_API_KEY",):
         try:

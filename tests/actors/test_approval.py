@@ -22,7 +22,7 @@ from schemas.events import Event, TurnCompleted, TurnFailed
 from schemas.manifest import parse_manifest
 from schemas.policy import Policy, evaluate, risk_score
 from schemas.tools import Annotations, ToolSpec
-from tests.conftest import EventWatch, of_type, run_toolbus, settled_state
+from tests.conftest import EventWatch, of_type, run_toolbus, settled_state, toolbus_cmd
 
 
 async def _decision(bus: Bus, client: ToolbusClient, sid: str, tool: str,
@@ -250,6 +250,23 @@ async def test_the_cli_approves_from_another_process(bus, client, sid, nats_url)
     assert end.outcomes[0].result == {"wrote": "cli.txt\u202egnp.exe"}
     state = await settled_state(bus, client, sid)
     assert state.calls[decision.call_id].decided_by == "carol"
+
+
+async def test_toolbus_call_says_its_call_did_not_run_when_its_turn_is_cancelled(
+        bus, client, sid, nats_url) -> None:
+    # It exited 1 with nothing but the session id on stderr.
+    from schemas.ids import turn_id_for
+    async with EventWatch(bus, sid) as watch:
+        proc = await asyncio.create_subprocess_exec(
+            *toolbus_cmd("call", "approvals:write", '{"text": "x"}', "--session", sid,
+                         "--request-id", "rq-cancel", "--nats", nats_url),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        await watch.until(lambda evs: bool(of_type(evs, "approval.requested")), timeout=30)
+    await client.cancel(sid, turn_id_for("rq-cancel"), reason="not today")
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1 and out == b""
+    assert b"approvals:write did not run: the turn was cancelled (cancelled)" in err, err
+    assert b"not today" in err
 
 
 async def test_the_approvals_list_shows_the_arguments_a_human_approves_whole(

@@ -72,6 +72,10 @@ async def test_tool_list_changes_update_the_catalog_and_removed_tools_go(
     added = await call_outcome(client, sid, f"{ns}:add_model", {"name": "van"})
     assert added.status == "succeeded", added
     await catalog._specs.wait_until(lambda items: f"{ns}.quote_van" in items, 10)
+    # Its executor says it serves it at once (a planner offers a model only the tools a
+    # live executor lists), not at its next presence refresh.
+    await catalog._executors.wait_until(
+        lambda items: any(f"{ns}:quote_van" in i.tools for i in items.values()), 3)
     quote = await call_outcome(client, sid, f"{ns}:quote_van", {"days": 2})
     assert quote.status == "succeeded" and quote.result == {"result": 84.0}
     await call_outcome(client, sid, f"{ns}:retire_model", {"name": "van"})

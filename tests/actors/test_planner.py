@@ -540,10 +540,13 @@ async def test_a_tool_no_live_executor_takes_is_not_offered(
         sid: str) -> None:
     # A tool an earlier manifest left in the catalog (found by a new-user pass): offered,
     # the model called it and the call waited out its whole timeout (10 min for MCP).
+    # Also one of a namespace a live executor serves other tools of: `built-in:file_write`
+    # of `deploy/examples/manifest.yaml` was offered under `agent.yaml`'s executors.
     catalog = system["catalog"]
-    await catalog.register([ToolSpec(name="gone:lookup", source="mcp", parameters={
-        "type": "object", "properties": {}})])
-    await catalog._specs.wait_until(lambda items: "gone.lookup" in items, 5)
+    await catalog.register([ToolSpec(name=name, source="mcp", parameters={
+        "type": "object", "properties": {}}) for name in ("gone:lookup", "built-in:stale")])
+    await catalog._specs.wait_until(
+        lambda items: "gone.lookup" in items and "built-in.stale" in items, 5)
     settings = ModelSettings(provider="openai", model="scripted", api_key="sk-test-key",
                              base_url=f"http://127.0.0.1:{model.port}/v1", max_retries=1)
     p = Planner(bus, catalog, settings, instructions="Be brief.")
@@ -554,9 +557,11 @@ async def test_a_tool_no_live_executor_takes_is_not_offered(
     finally:
         await p.stop()
         await catalog.remove("gone:lookup")
+        await catalog.remove("built-in:stale")
     assert isinstance(end, TurnCompleted), end
     offered = {t["function"]["name"] for t in model.received[0]["tools"]}
     assert "built-in__echo" in offered and "gone__lookup" not in offered
+    assert "built-in__stale" not in offered
 
 
 async def test_a_turn_accepted_but_slow_times_out_saying_so_not_blaming_the_server(
