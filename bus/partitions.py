@@ -39,6 +39,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from bus.connection import Bus
+from bus.direct import direct_batch
 from bus.subjects import LEASES_BUCKET
 from bus.tasks import stop_task
 from schemas.defaults import LEASE_RENEW_S, LEASE_TTL_S
@@ -217,14 +218,21 @@ class PartitionOwner:
         self._release(part)
 
     async def _members(self) -> int:
-        kv = self._kv
-        assert kv is not None
-        prefix = f"{self._group}.m."
-        try:
-            keys = await kv.keys()  # a few dozen keys: no filter (it logs a warning)
-        except nats.js.errors.NoKeysError:
-            return 1
-        return max(1, sum(1 for k in keys if k.startswith(prefix)))
+        """The members of the group, read with batched direct gets over their keys (the
+        bucket keeps one message per key; a member that left, an empty one). Not
+        `kv.keys()`: each call leaves an ephemeral consumer behind for minutes, and at
+        one a second per member the stream reached the server's limit of consumers
+        (every round then failed, and no partition of a dead member was taken)."""
+        members = 0
+        start = 1
+        while True:
+            batch, pending = await direct_batch(
+                self._bus, f"KV_{LEASES_BUCKET}", f"$KV.{LEASES_BUCKET}.{self._group}.m.*",
+                start, 256)
+            members += sum(1 for _, _, data in batch if data)
+            if not batch or pending == 0:
+                return max(1, members)
+            start = batch[-1][0] + 1
 
     def _release(self, part: int, *, revision: int | None = None) -> None:
         """Give `part` up in the background: its messages in hand may take seconds to

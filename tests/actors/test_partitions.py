@@ -76,6 +76,27 @@ async def test_members_share_the_partitions_and_take_over_those_of_a_dead_one(
     assert not [k for k in keys if k.startswith(f"{group}.")], keys
 
 
+async def test_lease_rounds_leave_no_consumer_behind(bus: Bus) -> None:
+    # Each round counted the members with `kv.keys()`, which leaves an ephemeral consumer
+    # for minutes: at a round a second per member, the bucket's stream reached the
+    # server's limit of consumers, and every round failed from then on.
+    group = f"t-{uuid.uuid4().hex[:8]}"
+    a, b = _Member(bus, group, "a", 4), _Member(bus, group, "b", 4)
+    stream = f"KV_{LEASES_BUCKET}"
+    before = (await bus.js.stream_info(stream)).state.consumer_count
+    await a.owner.start()
+    await b.owner.start()
+    try:
+        for _ in range(20):
+            assert await a.owner._members() == 2
+            await a.owner._round()
+        await _until(lambda: len(a.held) == len(b.held) == 2, timeout=5)
+    finally:
+        await a.owner.stop()
+        await b.owner.stop()
+    assert (await bus.js.stream_info(stream)).state.consumer_count <= before
+
+
 async def test_a_slow_release_never_lets_the_leases_kept_lapse(bus: Bus) -> None:
     """Giving a partition up waits for its messages in hand (a model call can take a
     minute). Meanwhile the leases kept are renewed: were they not, a member joining would
