@@ -103,8 +103,11 @@ from schemas.errors import (
 )
 from schemas.events import (
     CallApproved,
+    CallFailed,
     CallRejected,
     CallRequested,
+    CallSucceeded,
+    Event,
     ModelPurpose,
     ModelRequested,
     ModelResponded,
@@ -113,6 +116,7 @@ from schemas.events import (
     OutputRejected,
     PoliciesMatched,
     Refusal,
+    ResultCompressed,
     ThinkRequest,
     TurnCancelled,
     TurnCompleted,
@@ -1187,6 +1191,20 @@ def _result_text(call: CallState | None) -> tuple[str, bool]:
     return f"{error.error_type}: {error.message}", True
 
 
+def _unseen_by(state: SessionState, event: Event | None) -> bool:
+    """Whether `event` (delivered to the planner, and folded) names a turn `state` does
+    not hold, or a call of a planner turn it holds none of: the state is behind the log.
+    An explicit call is never the planner's to know (the session actor requests it)."""
+    if not isinstance(event, CallSucceeded | CallFailed | CallRejected | ResultCompressed |
+                      TurnCancelled):
+        return False
+    turn = state.turns.get(event.turn_id)
+    if turn is None:
+        return True
+    return not isinstance(event, TurnCancelled) and turn.message is not None and \
+        event.call_id not in state.calls
+
+
 def _unusable_arguments(call: ModelToolCall) -> str | None:
     """Why the arguments the model sent for `call` are no JSON at all, or nest too deeply
     to keep, said so that it can send them again right; None if they were JSON (one that
@@ -1571,6 +1589,16 @@ class Planner:
             new = delivery.stream_seq > entry.state.last_seq
             if new:
                 self._states.fold(entry, stored.seq, stored.event)
+                if _unseen_by(entry.state, stored.event):
+                    # About a planner call (or a turn) this state never saw: another
+                    # planner wrote the session's events meanwhile (one that held its
+                    # partition, stopped past its lease, then went on), which nothing
+                    # delivers here. Folded on this state, the result was dropped and
+                    # the turn waited forever; read from the log, it goes on.
+                    log.info("planner: session %s: a %s names what this process never "
+                             "saw; reading the session again", sid,
+                             delivery.subject.split(".", 4)[-1])
+                    await self._states.rebuild(entry)
             elif delivery.num_delivered > 1 or entry.missed(delivery.stream_seq):
                 # Delivered behind what is folded: one never seen (see the session
                 # actor); fold the log again.

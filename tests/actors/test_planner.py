@@ -760,6 +760,48 @@ async def test_a_message_sent_while_a_turn_waits_for_a_human_waits_for_that_turn
     assert not [r for r in caplog.records if "as it was stored failed" in r.getMessage()]
 
 
+async def test_a_result_of_a_call_another_planner_requested_is_not_dropped(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
+        sid: str, nats_url: str) -> None:
+    """A planner stopped past its lease (SIGSTOP, a starved machine) went on writing the
+    session's planner events when it resumed; the new owner of the partition, whose
+    state lacked them (nothing delivers a planner's events), dropped the call's result
+    and the turn waited forever, across restarts too. Here the new owner's state is
+    made to lack them as it would."""
+    from schemas.state import fold
+    settings = ModelSettings(provider="openai", model="scripted", api_key="k",
+                             base_url=f"http://127.0.0.1:{model.port}/v1")
+    p = Planner(bus, system["catalog"], settings,
+                tools=lambda spec: spec.name.startswith("approvals:"))
+    await p.start()
+    try:
+        async with EventWatch(bus, sid) as watch:
+            model.script = [(200, reply(calls=[("w1", "approvals__write", {"text": "hi"})])),
+                            (200, reply("Written."))]
+            asking = asyncio.create_task(client.ask(sid, "Write hi.", timeout=30))
+            await watch.until(lambda evs: any(
+                type(e).__name__ == "ApprovalRequested" for e in evs))
+        stored = await EventLog(bus).read_session(sid)
+        entry = p._states.peek(sid)
+        assert entry is not None
+        async with entry.lock:  # as it stood when the question was asked, no further
+            asked = next(i for i, e in enumerate(stored) if isinstance(e.event, ModelRequested))
+            entry.state = fold(sid, [(e.seq, e.event) for e in stored[:asked + 1]])
+            entry.written_upto = entry.state.last_seq  # the rest, another process's
+        p.instance = "planner-that-held-the-partition-before"  # its question, too
+        waiting = next(e.event for e in stored
+                       if type(e.event).__name__ == "ApprovalRequested")
+        approved = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "services.cli", "approve",
+                             waiting.call_id, "--session", sid, "--nats", nats_url],
+            capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert approved.returncode == 0, approved.stderr
+        end = await asyncio.wait_for(asking, 30)
+    finally:
+        await p.stop()
+    assert isinstance(end, TurnCompleted) and end.text == "Written.", end
+
+
 async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_list(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str) -> None:
