@@ -41,7 +41,7 @@ from bus.connection import Bus
 from bus.consumer import Delivery
 from bus.eventlog import Append, decode_stored
 from bus.streams import ConsumerSpec
-from bus.subjects import EVENTS_STREAM, dispatch_filter
+from bus.subjects import EVENTS_STREAM, dispatch_filter, event_filter
 from bus.tasks import stop_task
 from schemas.defaults import (
     EXECUTOR_ACK_WAIT_S,
@@ -245,6 +245,16 @@ class Executor:
                 log.warning("executor %s: could not refresh its presence: %s",
                             self.instance, exc)
 
+    async def _started_first(self, d: CallDispatched, seq: int) -> bool:
+        """Whether the `call.started` stored at `seq` is the first of the call's: two
+        deliveries of a call that may not run twice, both past their look at the state
+        before either start was stored, both stored one. The first runs it."""
+        starts = await self._kernel.log.read_session(
+            d.session_id, subject_filter=event_filter(d.session_id, "call.started"))
+        first = min((s.seq for s in starts if isinstance(s.event, CallStarted)
+                     and s.event.call_id == d.call_id), default=seq)
+        return first == seq
+
     async def _is_ours(self, seq: int, event: CallStarted) -> bool:
         """Whether the `call.started` stored at `seq` is `event` (this delivery's own,
         stored by a publish retried after a lost acknowledgement), not an earlier one."""
@@ -291,15 +301,19 @@ class Executor:
             done = await self._dispatch_once(delivery, d, tool, terminal_id, copies)
         finally:
             del self._running[running]
+        if done is None:
+            return
         await (delivery.ack() if done else delivery.nak(delay=self._ack_wait_s))
         for copy in copies:  # settled as the delivery they copy
             with contextlib.suppress(Exception):
                 await (copy.ack() if done else copy.nak(delay=self._ack_wait_s))
 
     async def _dispatch_once(self, delivery: Delivery, d: CallDispatched, tool: RunnableTool,
-                             terminal_id: str, copies: list[Delivery]) -> bool:
+                             terminal_id: str, copies: list[Delivery]) -> bool | None:
         """Run the call unless it ran (or may have run) already; True once it is settled
-        (to ack), False to be decided again later (to put back)."""
+        (to ack), False to be decided again later (to put back), None when another
+        delivery of it, in hand elsewhere, settles it (left alone: neither acked, which
+        would end the message should that one die, nor put back)."""
         attempt = delivery.num_delivered
         age_s = time.time() - delivery.timestamp_ns / 1e9
         # A call sent to this instance by name may have been ended by the janitor while
@@ -308,11 +322,21 @@ class Executor:
         # So may one older than its timeout: the janitor ends a call whose route had no
         # live executor once its timeout has passed.
         timeout_s = (d.timeout_ms or tool.spec.timeout_ms) / 1000
-        if attempt > 1 or age_s > min(_STALE_DELIVERY_S, timeout_s) or named:
+        # Another delivery of it may be in hand elsewhere once half the ack wait has
+        # passed (this process was stopped or starved, and the server sent it again).
+        contested = attempt > 1 or age_s > min(_STALE_DELIVERY_S, timeout_s,
+                                               self._ack_wait_s / 2) or named
+        if contested:
             # It may have run already: the session's state says how far it got.
             call = (await self._states.current(d.session_id)).state.calls.get(d.call_id)
             if call is not None and call.terminal:
                 return True
+            if call is not None and call.attempts > attempt:
+                # A later delivery started it (this one was held up past its ack wait):
+                # that one settles it, and keeps the message from going elsewhere while
+                # it runs. Deciding here marked a call running elsewhere `interrupted`,
+                # or ran it twice.
+                return None
             if call is not None and call.attempts > 0 and not tool.spec.rerunnable:
                 await self._append(self._failed(
                     d, "interrupted",
@@ -336,6 +360,8 @@ class Executor:
                 first = await started()
                 if first.duplicate and not await self._is_ours(first.seq, started_event):
                     return False  # decided when it comes back
+                if contested and not await self._started_first(d, first.seq):
+                    return None  # another delivery's start was stored first: it runs it
             # Beats until the outcome is stored, not only while the tool runs: the append
             # may retry for longer than the ack wait.
             keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05), copies)

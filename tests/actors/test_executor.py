@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -262,6 +263,97 @@ async def test_a_call_another_delivery_started_is_not_run_as_a_first_one(bus, si
         await executor.stop()
     assert ran == []
     assert isinstance(end, CallFailed) and end.error_type == "interrupted"
+
+
+class _Later:
+    """`time` as the executor module reads it, `ahead` seconds later: each delivery looks
+    that much older (held up past half its ack wait). With the executor live throughout,
+    the suite's janitor leaves its calls alone."""
+
+    def __init__(self, ahead: float) -> None:
+        self._ahead = ahead
+
+    def time(self) -> float:
+        return time.time() + self._ahead
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+async def test_a_delivery_held_up_past_its_ack_wait_leaves_the_call_to_the_later_one(
+        bus, sid, monkeypatch) -> None:
+    # An executor stopped (SIGSTOP, a starved machine) past half its ack wait holds a
+    # delivery the server has handed out again, and the later delivery started the call
+    # elsewhere. Unchecked under 5 s it stored a start of its own and ran the tool a second
+    # time; checked, it ended the call running elsewhere `interrupted`. It leaves it now.
+    import actors.executor
+    from schemas.events import CallStarted, CallSucceeded
+    from schemas.ids import call_started_id, call_terminal_id
+    ran: list[str] = []
+    release = asyncio.Event()
+    release.set()
+    log = EventLog(bus)
+    monkeypatch.setattr(actors.executor, "time", _Later(1.2))
+    executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
+                        ack_wait_s=2.0)
+    await executor.start()
+    try:
+        await _requested(log, sid, "c3")
+        await log.append(Append(CallStarted(session_id=sid, at=1.0, actor="executor",
+                                            call_id="c3", turn_id="c3-turn",
+                                            executor="later-1", attempt=2),
+                                call_started_id(sid, "c3", 2)))
+        await _dispatch(log, sid, "c3", dispatch_id(sid, "c3"))
+        await asyncio.sleep(0.6)  # taken, and left alone
+        events = [s.event for s in await log.read_session(sid)]
+        assert of_type(events, "call.failed") == [] and ran == []
+        assert [e.attempt for e in of_type(events, "call.started")] == [2]
+        # The later delivery's executor ends it.
+        await log.append(Append(CallSucceeded(session_id=sid, at=2.0, actor="executor",
+                                              call_id="c3", turn_id="c3-turn",
+                                              executor="later-1", result={"charged": 5}),
+                                call_terminal_id(sid, "c3")))
+        (end,) = await _terminal(log, sid)
+    finally:
+        await executor.stop()
+    assert ran == [] and isinstance(end, CallSucceeded)
+
+
+async def test_of_two_deliveries_that_both_found_the_call_unstarted_the_first_start_runs(
+        bus, sid, monkeypatch) -> None:
+    # Both looked at the state before either start was stored: both stored one (their
+    # ids differ by attempt), and both ran the tool. The one whose start was stored
+    # first runs it; the other leaves it.
+    import actors.executor
+    from schemas.events import CallStarted
+    from schemas.ids import call_started_id
+    ran: list[str] = []
+    release = asyncio.Event()
+    release.set()
+    log = EventLog(bus)
+    monkeypatch.setattr(actors.executor, "time", _Later(1.2))
+    executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
+                        ack_wait_s=2.0)
+    await _requested(log, sid, "c4")
+    looked_before = await executor._states.current(sid)  # no start stored yet
+    await log.append(Append(CallStarted(session_id=sid, at=1.0, actor="executor",
+                                        call_id="c4", turn_id="c4-turn", executor="other-1",
+                                        attempt=2), call_started_id(sid, "c4", 2)))
+
+    async def stale(session_id: str) -> object:
+        return looked_before
+    monkeypatch.setattr(executor._states, "current", stale)
+    await executor.start()
+    try:
+        await _dispatch(log, sid, "c4", dispatch_id(sid, "c4"))
+        async with asyncio.timeout(10):
+            while len(of_type([s.event for s in await log.read_session(sid)],  # noqa: ASYNC110
+                              "call.started")) < 2:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+    finally:
+        await executor.stop()
+    assert ran == []
 
 
 @pytest.mark.parametrize(("depth", "status"), [(100, "succeeded"), (900, "failed")])
