@@ -280,22 +280,27 @@ class _Later:
         return getattr(time, name)
 
 
+def _held_up_executor(bus: Bus, ran: list[str], monkeypatch: Any) -> Executor:
+    """An executor of dupe:charge whose every delivery looks 1.2 s old, past half its
+    ack wait (2 s)."""
+    import actors.executor
+    release = asyncio.Event()
+    release.set()
+    monkeypatch.setattr(actors.executor, "time", _Later(1.2))
+    return Executor(bus, [_side_effect_tool(ran, release)], register=False, ack_wait_s=2.0)
+
+
 async def test_a_delivery_held_up_past_its_ack_wait_leaves_the_call_to_the_later_one(
         bus, sid, monkeypatch) -> None:
     # An executor stopped (SIGSTOP, a starved machine) past half its ack wait holds a
     # delivery the server has handed out again, and the later delivery started the call
     # elsewhere. Unchecked under 5 s it stored a start of its own and ran the tool a second
     # time; checked, it ended the call running elsewhere `interrupted`. It leaves it now.
-    import actors.executor
     from schemas.events import CallStarted, CallSucceeded
     from schemas.ids import call_started_id, call_terminal_id
     ran: list[str] = []
-    release = asyncio.Event()
-    release.set()
     log = EventLog(bus)
-    monkeypatch.setattr(actors.executor, "time", _Later(1.2))
-    executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
-                        ack_wait_s=2.0)
+    executor = _held_up_executor(bus, ran, monkeypatch)
     await executor.start()
     try:
         await _requested(log, sid, "c3")
@@ -324,16 +329,11 @@ async def test_of_two_deliveries_that_both_found_the_call_unstarted_the_first_st
     # Both looked at the state before either start was stored: both stored one (their
     # ids differ by attempt), and both ran the tool. The one whose start was stored
     # first runs it; the other leaves it.
-    import actors.executor
     from schemas.events import CallStarted
     from schemas.ids import call_started_id
     ran: list[str] = []
-    release = asyncio.Event()
-    release.set()
     log = EventLog(bus)
-    monkeypatch.setattr(actors.executor, "time", _Later(1.2))
-    executor = Executor(bus, [_side_effect_tool(ran, release)], register=False,
-                        ack_wait_s=2.0)
+    executor = _held_up_executor(bus, ran, monkeypatch)
     await _requested(log, sid, "c4")
     looked_before = await executor._states.current(sid)  # no start stored yet
     await log.append(Append(CallStarted(session_id=sid, at=1.0, actor="executor",
