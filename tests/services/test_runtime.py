@@ -32,14 +32,17 @@ async def test_up_reads_the_manifest_once_for_every_actor_it_starts(
         f"mcps:\n  - id: {ns}\n    transport: stdio\n    command: {sys.executable}\n"
         f"    args: [-m, services.sample_mcp, --transport, stdio]\n    cwd: {REPO}\n"
         "policy:\n  max_parallel: 2\n  max_calls_per_turn: 7\n")
+    import schemas.manifest
     reads: list[str] = []
-    parse = config.parse_manifest
+    parse = schemas.manifest.parse_manifest
 
     def counted(text: str, **kw: Any) -> Any:
         reads.append(kw["path"])
         return parse(text, **kw)
 
-    monkeypatch.setattr(config, "parse_manifest", counted)
+    # services.config imports it when it reads a manifest (not at start: every command
+    # would pay for the manifest's models).
+    monkeypatch.setattr(schemas.manifest, "parse_manifest", counted)
 
     settings = _actor_settings(build_parser().parse_args(
         ["up", "--manifest", str(manifest), "--instance", ns]))
