@@ -71,6 +71,7 @@ log = logging.getLogger("toolbus.executor")
 # A first delivery older than this is checked against the log too: its consumer may have
 # been re-created, and a dispatch that old may already have run.
 _STALE_DELIVERY_S = 5.0
+_FIRST_START_READS = 40  # reads of the call's starts, 50 ms apart, until one holds its own
 _INSTANCE_ROUTE = instance_route("x", "x").split(".", 1)[0] + "."
 _json = msgspec.json.Encoder()
 
@@ -245,15 +246,23 @@ class Executor:
                 log.warning("executor %s: could not refresh its presence: %s",
                             self.instance, exc)
 
-    async def _started_first(self, d: CallDispatched, seq: int) -> bool:
-        """Whether the `call.started` stored at `seq` is the first of the call's: two
-        deliveries of a call that may not run twice, both past their look at the state
-        before either start was stored, both stored one. The first runs it."""
-        starts = await self._kernel.log.read_session(
-            d.session_id, subject_filter=event_filter(d.session_id, "call.started"))
-        first = min((s.seq for s in starts if isinstance(s.event, CallStarted)
-                     and s.event.call_id == d.call_id), default=seq)
-        return first == seq
+    async def _started_first(self, d: CallDispatched, seq: int, *, after: int) -> bool:
+        """Whether the `call.started` stored at `seq` is the first of the call's (those
+        stored after its dispatch at `after`): two deliveries of a call that may not run
+        twice (one held up, one handed out again meanwhile) can both find it unstarted
+        and both store a start. The first runs it. A read that does not hold this start
+        yet (a replica behind) is made again; one that never does runs nothing here (the
+        call comes back, and is decided then)."""
+        for _ in range(_FIRST_START_READS):
+            starts = await self._kernel.log.read_session(
+                d.session_id, after=after,
+                subject_filter=event_filter(d.session_id, "call.started"))
+            seqs = [s.seq for s in starts if isinstance(s.event, CallStarted)
+                    and s.event.call_id == d.call_id]
+            if seq in seqs:
+                return min(seqs) == seq
+            await asyncio.sleep(0.05)
+        return False
 
     async def _is_ours(self, seq: int, event: CallStarted) -> bool:
         """Whether the `call.started` stored at `seq` is `event` (this delivery's own,
@@ -351,21 +360,25 @@ class Executor:
         started_id = call_started_id(d.session_id, d.call_id, attempt)
         with trace.tool_span(d.tool, d.call_id, parent=None):
             log = self._kernel.log
-            started = await log.send(Append(started_event, started_id),
-                                     headers=outgoing_headers())
-            if not tool.spec.rerunnable:
-                # Stored before a tool that may not run twice starts; and stored by this
-                # delivery, not an earlier one that the server forgot (a delivery count
-                # lost in a restart makes a redelivery look like a first one).
-                first = await started()
-                if first.duplicate and not await self._is_ours(first.seq, started_event):
-                    return False  # decided when it comes back
-                if contested and not await self._started_first(d, first.seq):
-                    return None  # another delivery's start was stored first: it runs it
-            # Beats until the outcome is stored, not only while the tool runs: the append
-            # may retry for longer than the ack wait.
+            # Beats from before `call.started` is sent until the outcome is stored: the
+            # start's append may retry for longer than the ack wait (a cluster electing),
+            # and a delivery gone quiet meanwhile was handed out again and the call
+            # ended `interrupted` while this one ran it.
             keep_alive = _KeepAlive(delivery, max(self._ack_wait_s / 3, 0.05), copies)
             try:
+                started = await log.send(Append(started_event, started_id),
+                                         headers=outgoing_headers())
+                if not tool.spec.rerunnable:
+                    # Stored before a tool that may not run twice starts; and stored by
+                    # this delivery, not an earlier one that the server forgot (a delivery
+                    # count lost in a restart makes a redelivery look like a first one).
+                    first = await started()
+                    if first.duplicate and not await self._is_ours(first.seq,
+                                                                   started_event):
+                        return False  # decided when it comes back
+                    if not await self._started_first(d, first.seq,
+                                                     after=delivery.stream_seq):
+                        return None  # another delivery's start was stored first: it runs it
                 outcome = await self._run(d, tool, keep_alive, attempt)
                 # A rerunnable tool ran while `call.started` was on the wire: the outcome
                 # is sent behind it without waiting for its ack (one round trip, not two;

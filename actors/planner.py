@@ -1191,6 +1191,11 @@ def _result_text(call: CallState | None) -> tuple[str, bool]:
     return f"{error.error_type}: {error.message}", True
 
 
+def _planning(state: SessionState) -> bool:
+    """Whether a planner turn of the session is open (a new one would wait for it)."""
+    return any(state.turns[t].message is not None for t in state.open_turns)
+
+
 def _unseen_by(state: SessionState, event: Event | None) -> bool:
     """Whether `event` (delivered to the planner, and folded) names a turn `state` does
     not hold, or a call of a planner turn it holds none of: the state is behind the log.
@@ -1587,7 +1592,16 @@ class Planner:
             if entry.behind:  # an earlier event was handed back unfolded: read past it
                 await self._states.read_past_handed_back(entry)
             new = delivery.stream_seq > entry.state.last_seq
-            if new:
+            if new and isinstance(stored.event, TurnRequested) and \
+                    stored.event.message is not None and _planning(entry.state):
+                # Queued behind a planner turn this state holds as running: one that ended
+                # by another's hand (the session actor, this process's kernel on a poison
+                # message, a planner that held the partition before) is not delivered
+                # here, and the new turn would wait for it forever. Read up to it.
+                await self._states.reread(entry)
+                if entry.state.last_seq < stored.seq:  # a replica behind: this one at least
+                    self._states.fold(entry, stored.seq, stored.event)
+            elif new:
                 self._states.fold(entry, stored.seq, stored.event)
                 if _unseen_by(entry.state, stored.event):
                     # About a planner call (or a turn) this state never saw: another

@@ -227,7 +227,7 @@ class PartitionOwner:
         start = 1
         while True:
             batch, pending = await direct_batch(
-                self._bus, f"KV_{LEASES_BUCKET}", f"$KV.{LEASES_BUCKET}.{self._group}.m.*",
+                self._bus, f"KV_{LEASES_BUCKET}", f"$KV.{LEASES_BUCKET}.{self._group}.m.>",
                 start, 256)
             members += sum(1 for _, _, data in batch if data)
             if not batch or pending == 0:

@@ -324,28 +324,33 @@ async def test_a_delivery_held_up_past_its_ack_wait_leaves_the_call_to_the_later
     assert ran == [] and isinstance(end, CallSucceeded)
 
 
+@pytest.mark.parametrize("held_up", [True, False])
 async def test_of_two_deliveries_that_both_found_the_call_unstarted_the_first_start_runs(
-        bus, sid, monkeypatch) -> None:
-    # Both looked at the state before either start was stored: both stored one (their
-    # ids differ by attempt), and both ran the tool. The one whose start was stored
-    # first runs it; the other leaves it.
+        bus, sid, monkeypatch, held_up: bool) -> None:
+    # Both looked at the state (or, fresh, had no reason to) before either start was
+    # stored: both stored one (their ids differ by attempt), and both ran the tool. A
+    # fresh delivery can be held up after its look, before its start is stored. The one
+    # whose start was stored first runs it; the other leaves it.
     from schemas.events import CallStarted
     from schemas.ids import call_started_id
     ran: list[str] = []
     log = EventLog(bus)
-    executor = _held_up_executor(bus, ran, monkeypatch)
+    release = asyncio.Event()
+    release.set()
+    executor = _held_up_executor(bus, ran, monkeypatch) if held_up else \
+        Executor(bus, [_side_effect_tool(ran, release)], register=False, ack_wait_s=2.0)
     await _requested(log, sid, "c4")
     looked_before = await executor._states.current(sid)  # no start stored yet
-    await log.append(Append(CallStarted(session_id=sid, at=1.0, actor="executor",
-                                        call_id="c4", turn_id="c4-turn", executor="other-1",
-                                        attempt=2), call_started_id(sid, "c4", 2)))
 
     async def stale(session_id: str) -> object:
         return looked_before
     monkeypatch.setattr(executor._states, "current", stale)
+    await _dispatch(log, sid, "c4", dispatch_id(sid, "c4"))
+    await log.append(Append(CallStarted(session_id=sid, at=1.0, actor="executor",
+                                        call_id="c4", turn_id="c4-turn", executor="other-1",
+                                        attempt=2), call_started_id(sid, "c4", 2)))
     await executor.start()
     try:
-        await _dispatch(log, sid, "c4", dispatch_id(sid, "c4"))
         async with asyncio.timeout(10):
             while len(of_type([s.event for s in await log.read_session(sid)],  # noqa: ASYNC110
                               "call.started")) < 2:

@@ -802,6 +802,29 @@ async def test_a_result_of_a_call_another_planner_requested_is_not_dropped(
     assert isinstance(end, TurnCompleted) and end.text == "Written.", end
 
 
+async def test_a_message_after_a_turn_ended_by_another_hand_is_not_held_behind_it(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat,
+        sid: str) -> None:
+    """A planner turn ended by another writer (the session actor, this process's kernel
+    on a poison message, a planner that held the partition before) is not delivered to
+    the planner: its state holds the turn as running, and one turn at a time held every
+    later message behind it forever. Here its state is made to lack the end."""
+    from schemas.state import fold
+    model.script = [(200, reply("First answer.")), (200, reply("Second answer."))]
+    first = await client.ask(sid, "First question.", timeout=30)
+    assert isinstance(first, TurnCompleted), first
+    stored = await EventLog(bus).read_session(sid)
+    entry = planner._states.peek(sid)
+    assert entry is not None
+    async with entry.lock:  # as it stood when the first question was asked, no further
+        asked = next(i for i, e in enumerate(stored) if isinstance(e.event, ModelRequested))
+        entry.state = fold(sid, [(e.seq, e.event) for e in stored[:asked + 1]])
+        entry.written_upto = entry.state.last_seq  # the rest, another process's
+    planner.instance = "planner-that-held-the-partition-before"  # its question, too
+    second = await client.ask(sid, "Second question.", timeout=15)
+    assert isinstance(second, TurnCompleted) and second.text == "Second answer.", second
+
+
 async def test_an_approval_whose_call_ended_without_a_human_leaves_the_waiting_list(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str) -> None:
