@@ -366,6 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "would be lost; send it somewhere (`> /dev/null` to discard it)",
               file=sys.stderr)
         return EXIT_USAGE
+    unused = _unused_arguments(args)
+    if unused is not None:  # refused, not silently dropped
+        print(f"toolbus {args.command}: {unused}", file=sys.stderr)
+        return EXIT_USAGE
     # A server's log has times and sources; a command's warnings (its connection lost
     # and back) are lines like its other messages, unless -v asks for the details.
     daemon = args.command in ("up", "actor") or args.verbose
@@ -522,6 +526,16 @@ def _output_lost(exc: OSError) -> int:
     _stdout_to_devnull()
     print(f"toolbus: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
     return EXIT_CALL_FAILED
+
+
+def _unused_arguments(args: argparse.Namespace) -> str | None:
+    """What a command was given and would not use, said; None if nothing."""
+    if args.command == "tools" and args.action in ("list", "export") and \
+            args.name is not None:
+        return f"`tools {args.action}` takes no NAME (got {args.name!r})"
+    if args.command == "actor" and args.kind not in ("mcp", "worker") and args.only:
+        return "--only names MCP servers: it is for `toolbus actor mcp` (or worker)"
+    return None
 
 
 # The role each command connects as (bus/auth.py); the rest are clients.

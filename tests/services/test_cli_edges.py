@@ -61,6 +61,9 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("chat", " "), "MESSAGE is empty"),  # not a new session holding a rejection
     (("chat", "a" * 70_000), "MESSAGE is 70000 bytes; the limit is 65536"),
     (("tools", "show"), "tools show needs a NAME"),
+    # Given and unused: refused, not dropped without a word.
+    (("tools", "list", "extra"), "`tools list` takes no NAME (got 'extra')"),
+    (("actor", "executor", "--only", "cars"), "--only names MCP servers: it is for"),
     (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
     (("deny", "", "--reason", "no"), "invalid call id ''"),
     (("deny", "c1", "--reason", " "), "--reason must say why"),
