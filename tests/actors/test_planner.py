@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -896,6 +896,24 @@ def _planner_process(tmp_path: Path, model: ScriptedChat, nats_url: str) -> Proc
                 "--ack-wait", "1", ready="planner actor", env={"SCRIPTED_KEY": "k"})
 
 
+async def _asked_of_the_next_planner(client: ToolbusClient, sid: str, message: str,
+                                     model: ScriptedChat, nats_url: str, tmp_path: Path,
+                                     stop: Callable[[Proc], Awaitable[None]]) -> Any:
+    """A turn whose planner process is stopped (`stop`) while the model is asked: its end,
+    taken up by the next planner process."""
+    first = _planner_process(tmp_path, model, nats_url)
+    await first.wait_ready()
+    asking = asyncio.create_task(client.ask(sid, message, timeout=90))
+    await asyncio.wait_for(model.asked.wait(), 20)  # the model is being asked: no answer yet
+    await stop(first)
+    second = _planner_process(tmp_path, model, nats_url)
+    try:
+        await second.wait_ready()
+        return await asyncio.wait_for(asking, 60)
+    finally:
+        second.stop()
+
+
 async def _kill(proc: Proc) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     await asyncio.to_thread(proc.proc.wait, 10)
@@ -910,17 +928,8 @@ async def test_a_planner_killed_before_the_answer_is_stored_asks_again_once(
                     (200, reply(calls=[("x1", "testing__append_line",
                                         {"path": str(tmp_path / "log"), "line": "x"})])),
                     (200, reply("done"))]
-    first = _planner_process(tmp_path, model, nats_url)
-    await first.wait_ready()
-    asking = asyncio.create_task(client.ask(sid, "Append x.", timeout=60))
-    await asyncio.wait_for(model.asked.wait(), 20)  # the model is being asked: no answer yet
-    await _kill(first)
-    second = _planner_process(tmp_path, model, nats_url)
-    try:
-        await second.wait_ready()
-        end = await asyncio.wait_for(asking, 60)
-    finally:
-        second.stop()
+    end = await _asked_of_the_next_planner(client, sid, "Append x.", model, nats_url,
+                                           tmp_path, _kill)
     assert isinstance(end, TurnCompleted) and end.text == "done", end
     assert len(model.received) == 3  # iteration 1 twice (the first answer was lost), then 2
     # Asked again with the tools its stored question counted: the planner's helpers (the
@@ -940,17 +949,11 @@ async def test_a_question_asked_again_after_a_stop_offers_the_tools_it_counted(
     question again. It used to ask before its own helpers (the context tools) were live,
     offering fewer tools than the stored `model.requested` counted."""
     model.script = [(200, reply("Too late."), 30), (200, reply("done"))]
-    first = _planner_process(tmp_path, model, nats_url)
-    await first.wait_ready()
-    asking = asyncio.create_task(client.ask(sid, "Think slowly.", timeout=90))
-    await asyncio.wait_for(model.asked.wait(), 20)
-    await asyncio.to_thread(first.stop, signal.SIGTERM)  # retires its executors
-    second = _planner_process(tmp_path, model, nats_url)
-    try:
-        await second.wait_ready()
-        end = await asyncio.wait_for(asking, 60)
-    finally:
-        second.stop()
+    async def terminate(first: Proc) -> None:  # SIGTERM: it retires its executors
+        await asyncio.to_thread(first.stop, signal.SIGTERM)
+
+    end = await _asked_of_the_next_planner(client, sid, "Think slowly.", model, nats_url,
+                                           tmp_path, terminate)
     assert isinstance(end, TurnCompleted) and end.text == "done", end
     offered = [sorted(t["function"]["name"] for t in r["tools"]) for r in model.received]
     assert len(offered) == 2 and offered[0] == offered[1], offered
