@@ -1381,6 +1381,7 @@ def bench_validation(*, n: int = 20_000, json_out: bool = False) -> int:
     report: dict[str, Any] = {
         "machine": machine,
         "schema_fields": len(VALIDATION_SCHEMA["properties"]),
+        "n": n,
         "json_decode_us": _per_call_us(lambda: decode(raw), n),
         "toolbus_valid_us": _per_call_us(lambda: validator.check(valid), n),
         "toolbus_invalid_all_violations_us": _per_call_us(

@@ -96,8 +96,8 @@ def _add_nats(p: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
                             "$TOOLBUS_DATA_DIR, then the user data dir)")
 
 
-def _add_fsync(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fsync", choices=["batch", "always"], default="batch",
+def _add_fsync(p: argparse.ArgumentParser, default: str | None = "batch") -> None:
+    p.add_argument("--fsync", choices=["batch", "always"], default=default,
                    help="embedded server: 'batch' (default) fsyncs periodically, so a stored "
                         "event survives a crash of the process but not of the machine; "
                         "'always' fsyncs every event before acknowledging it (slower)")
@@ -333,25 +333,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks beside their floor, measured in the same run")
     p.add_argument("what", choices=["calls", "validation", "mcp", "replay", "agent",
                                     "compress"])
-    p.add_argument("--n", type=_positive_int, default=2000,
-                   help="calls (agent: turns; compress: calls and injections) per phase "
-                        "(default 2000)")
-    p.add_argument("--concurrency", type=_positive_int, default=32,
-                   help="calls in flight (default 32)")
+    p.add_argument("--n", type=_positive_int, default=None,
+                   help="calls (agent: turns; compress: calls and injections; validation: "
+                        "checks) per phase (default 2000; validation 20000)")
+    p.add_argument("--concurrency", type=_positive_int, default=None,
+                   help="calls, mcp: calls in flight (default 32; mcp at most 16)")
     p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="calls, mcp, agent, compress: start the measured `toolbus up` with "
                         "--workers N (default: its own default, one process per core)")
     p.add_argument("--turns", type=_positive_int, default=None,
                    help="calls: turns of the one long session (default 1000); agent: turns "
                         "of each of its 5 long sessions (default 100)")
-    p.add_argument("--session-actors", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--session-actors", type=_positive_int, default=None, metavar="N",
                    help="calls: session-actor processes sharing the partitions (default 1: "
                         "the one of the measured `toolbus up`; more are started here, also "
                         "with --nats)")
-    p.add_argument("--events", type=_positive_int, default=10_000,
+    p.add_argument("--events", type=_positive_int, default=None,
                    help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
-    _add_fsync(p)
+    _add_fsync(p, default=None)
     _add_nats(p)
     return parser
 
@@ -394,15 +394,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _reader_gone()
         except OSError as exc:  # a full disk: as for every other command
             return _output_lost(exc)
-    if args.command == "bench" and args.what not in ("calls", "replay"):
-        # These start their own nats-server and `toolbus up` (with their own manifest):
-        # a flag they would ignore is refused, not silently dropped.
-        given = [f for f, on in (("--nats", args.nats is not None),
-                                 ("--session-actors", args.session_actors != 1)) if on]
+    if args.command == "bench":
+        # A flag the benchmark would ignore is refused, not silently dropped.
+        given = [flag for flag, dest in _BENCH_FLAGS if getattr(args, dest) is not None
+                 and flag not in _BENCH_USES[args.what]]
         if given:
-            print(f"toolbus bench {args.what}: not used here: {', '.join(given)} (this "
-                  "benchmark starts its own server and toolbus; --nats is for `bench calls` "
-                  "and `bench replay`, --session-actors for `bench calls`)", file=sys.stderr)
+            users = {flag: [w for w, uses in _BENCH_USES.items() if flag in uses]
+                     for flag in given}
+            print(f"toolbus bench {args.what}: not used here: {', '.join(given)} ("
+                  + "; ".join(f"{flag} is for " + ", ".join(f"`bench {w}`" for w in ws)
+                              for flag, ws in users.items()) + ")", file=sys.stderr)
             return EXIT_USAGE
     if args.command == "bench" and args.what == "agent" and args.turns == 1:
         print("toolbus bench agent: --turns 1 has no history to compare: give 2 or more "
@@ -461,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _run(_cancel(url, args))
             case "bench" if args.what == "validation":
                 from services.bench import bench_validation
-                return bench_validation(json_out=args.json)
+                return bench_validation(n=args.n or 20_000, json_out=args.json)
             case "bench":
                 # Cancelled by SIGTERM as by Ctrl-C: the servers and toolbus a benchmark
                 # started are stopped, and its temporary folders removed.
@@ -528,6 +529,22 @@ def _output_lost(exc: OSError) -> int:
     return EXIT_CALL_FAILED
 
 
+# The flags of `toolbus bench` (none given is None) and which benchmarks use each; those
+# that start their own server and `toolbus up` take no --nats.
+_BENCH_FLAGS = (("--n", "n"), ("--concurrency", "concurrency"), ("--workers", "workers"),
+                ("--turns", "turns"), ("--session-actors", "session_actors"),
+                ("--events", "events"), ("--fsync", "fsync"), ("--nats", "nats"))
+_BENCH_USES: dict[str, frozenset[str]] = {
+    "calls": frozenset({"--n", "--concurrency", "--workers", "--turns", "--session-actors",
+                        "--fsync", "--nats"}),
+    "validation": frozenset({"--n"}),
+    "mcp": frozenset({"--n", "--concurrency", "--workers", "--fsync"}),
+    "replay": frozenset({"--events", "--fsync", "--nats"}),
+    "agent": frozenset({"--n", "--turns", "--workers", "--fsync"}),
+    "compress": frozenset({"--n", "--workers", "--fsync"}),
+}
+
+
 def _unused_arguments(args: argparse.Namespace) -> str | None:
     """What a command was given and would not use, said; None if nothing."""
     if args.command == "tools" and args.action in ("list", "export") and \
@@ -578,25 +595,28 @@ def _printable(text: object) -> str:
 async def _bench(args: argparse.Namespace) -> int:
     from services import bench
 
+    fsync = args.fsync or "batch"
     match args.what:
         case "mcp":
-            return await bench.bench_mcp(n=args.n, concurrency=min(args.concurrency, 16),
-                                         fsync=args.fsync, json_out=args.json,
+            return await bench.bench_mcp(n=args.n or 2000,
+                                         concurrency=min(args.concurrency or 16, 16),
+                                         fsync=fsync, json_out=args.json,
                                          workers=args.workers)
         case "replay":
-            return await bench.bench_replay(args.nats, events=args.events, fsync=args.fsync,
-                                            json_out=args.json)
+            return await bench.bench_replay(args.nats, events=args.events or 10_000,
+                                            fsync=fsync, json_out=args.json)
         case "agent":
-            return await bench.bench_agent(n=args.n, turns=args.turns or 100,
-                                           fsync=args.fsync, json_out=args.json,
+            return await bench.bench_agent(n=args.n or 2000, turns=args.turns or 100,
+                                           fsync=fsync, json_out=args.json,
                                            workers=args.workers)
         case "compress":
-            return await bench.bench_compress(n=args.n, fsync=args.fsync, json_out=args.json,
-                                              workers=args.workers)
-    return await bench.bench_calls(args.nats, n=args.n, concurrency=args.concurrency,
-                                   turns=args.turns or 1000, fsync=args.fsync,
+            return await bench.bench_compress(n=args.n or 2000, fsync=fsync,
+                                              json_out=args.json, workers=args.workers)
+    return await bench.bench_calls(args.nats, n=args.n or 2000,
+                                   concurrency=args.concurrency or 32,
+                                   turns=args.turns or 1000, fsync=fsync,
                                    json_out=args.json, workers=args.workers,
-                                   session_actors=args.session_actors)
+                                   session_actors=args.session_actors or 1)
 
 
 def _is_utf8(text: str) -> bool:
@@ -966,6 +986,12 @@ async def _cancel(url: str, args: argparse.Namespace) -> int:
     bus = await connect(url, name="toolbus-cancel")
     client = ToolbusClient(bus)
     try:
+        head, _ = await client.log.read_head(session)
+        if not head:
+            # Sent anyway, the request would make the session (a typo) to store its refusal.
+            print(f"toolbus: nothing cancelled: session {session} has no events (is its id "
+                  "right? `toolbus replay SID` lists a session's turns)", file=sys.stderr)
+            return EXIT_CALL_FAILED
         end = await client.cancel(session, args.turn_id, reason=args.reason,
                                   timeout=args.timeout)
     finally:

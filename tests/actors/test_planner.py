@@ -1437,6 +1437,15 @@ async def test_a_turn_waiting_for_a_human_is_cancelled_from_another_process(
     assert call.status == "failed" and call.error is not None
     assert call.error.error_type == "cancelled" and call.started_at is None
     assert len(model.received) == 1  # the model is not asked about a cancelled turn
+    # A mistyped session is said to have nothing, not made to store the refusal.
+    typo = f"{sid}-typo"
+    unknown = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "cancel", waiting.turn_id,
+                         "--session", typo, "--nats", nats_url],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert unknown.returncode == 1, unknown.stderr
+    assert f"session {typo} has no events" in unknown.stderr
+    assert await client.log.read_session(typo) == []
 
 
 async def test_a_result_handed_back_while_the_lease_is_in_doubt_is_not_overtaken(

@@ -49,6 +49,10 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
      "bench agent: not used here: --nats"),
     (("bench", "mcp", "--session-actors", "2"),
      "bench mcp: not used here: --session-actors"),
+    (("bench", "validation", "--concurrency", "4", "--fsync", "always"),
+     "bench validation: not used here: --concurrency, --fsync (--concurrency is for "
+     "`bench calls`, `bench mcp`; --fsync is for `bench calls`, `bench mcp`, `bench replay`"),
+    (("bench", "agent", "--events", "10"), "--events is for `bench replay`"),
     (("state", "no.dots"), "invalid session id 'no.dots'"),
     (("chat", "hi", "--session", "a b"), "invalid session id 'a b'"),
     (("chat", "hi", "--session", ""), "invalid session id ''"),  # not a new session
