@@ -50,6 +50,7 @@ from schemas.defaults import (
 from schemas.errors import (
     AppendError,
     BusError,
+    BusTimeoutError,
     ConcurrencyError,
     EventTooLargeError,
     ToolbusError,
@@ -654,11 +655,13 @@ class SessionStates:
         entry.written_upto = min(entry.written_upto, entry.state.last_seq)
         entry.caught_up.set()
 
-    async def rebuild(self, entry: Entry, *, attempts: int = 40) -> bool:
+    async def rebuild(self, entry: Entry, *, attempts: int = 40) -> None:
         """Fold the session's whole log again, from its first event (call with the lock):
         for an event delivered late, after later ones were folded (a redelivery across a
         cluster's leader change), which folding skips. Never goes back: a read from a
-        replica that is behind is tried again (bounded); False if it never caught up."""
+        replica that is behind is tried again (bounded); past that, `BusTimeoutError`, so
+        that the message that needed it is delivered again later (a passing error) instead
+        of being decided on a state known to lack an event."""
         sid = entry.state.session_id
         for _ in range(attempts):
             fresh = Entry(SessionState(session_id=sid))
@@ -672,11 +675,10 @@ class SessionStates:
                 entry.caught_up.set()
                 entry.settled = False
                 entry.decided_at = -1
-                return True
+                return
             await asyncio.sleep(0.05)
-        log.warning("session %s: could not re-read its log up to seq %d", sid,
-                    entry.state.last_seq)
-        return False
+        raise BusTimeoutError(f"session {sid}: its log could not be read again up to seq "
+                              f"{entry.state.last_seq} (a replica behind?)")
 
     async def catch_up(self, entry: Entry, timeout: float = 2.0) -> None:
         """Wait (lock not held) until this process's own writes have come back through
