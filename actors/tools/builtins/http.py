@@ -22,9 +22,10 @@ SNI and certificate check stay on the URL's name.
 Credentials: the tool's own `default_headers` (all but a few plain ones such as
 User-Agent) and `default_query` are sent only to the tool's origin: `base_url`'s scheme,
 host and port (for a tool without `base_url`, a host listed by exact name in
-`allowed_hosts`). An absolute URL elsewhere gets none of them. Once a redirect leaves the
-first hop's origin, no default credential and no credential-named call header
-(Authorization, Cookie, X-Api-Key, Proxy-Authorization) goes on for the rest of the chain.
+`allowed_hosts`, over https on port 443). An absolute URL elsewhere gets none of
+them. Once a redirect leaves the first hop's origin, no default credential and no
+credential-named call header (Authorization, Cookie, X-Api-Key, Proxy-Authorization) goes
+on for the rest of the chain.
 `default_query` values are shown as REDACTED in URLs the tool reports. No cookie jar is
 kept: one call's cookies never reach another.
 """
@@ -345,7 +346,11 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
     def is_home(url: httpx.URL) -> bool:
         if home is not None:
             return _origin(url) == home
-        return _listed_exactly(url.host, cfg.allowed_hosts)
+        # A listed name's origin is https on its default port: the model picks the URL,
+        # and `http://host/` or `http://host:8080/` would carry the secrets in clear text,
+        # or to whatever else listens there.
+        return _origin(url)[::2] == ("https", 443) and \
+            _listed_exactly(url.host, cfg.allowed_hosts)
 
     def shown(url: httpx.URL) -> str:
         """`url` as the model and the logs may see it: default query values hidden."""

@@ -567,3 +567,24 @@ async def test_a_json_body_nested_too_deeply_is_returned_as_text(
     out = await run_tool(t, {"path": "/typed", "query": {"type": "application/json",
                                                           "body": shallow}})
     assert out["data"] == json.loads(shallow)
+
+
+async def test_without_base_url_secrets_go_to_an_allowed_host_over_https_only(
+        a_b: tuple[_RecordingServer, _RecordingServer]) -> None:
+    """A tool without base_url sends its credentials to a host listed exactly in
+    allowed_hosts, as that host's https origin: a model given `http://host:port/` must
+    not have them sent in clear text, or to whatever listens on another port."""
+    a, b = a_b
+    t = http_tool(HttpToolConfig(
+        name="api:secret", allowed_hosts=["127.0.0.1", "localhost"],
+        allowed_methods=["GET"],
+        default_headers={"Authorization": f"Bearer {SECRETS[0]}", "X-Api-Key": SECRETS[1],
+                         "User-Agent": "toolbus-test"},
+        default_query={"appid": SECRETS[3]}))
+    for url in (f"{a.url}/x", f"http://localhost:{b.port}/y"):
+        out = await run_tool(t, {"path": url, "headers": {"X-Trace": "t1"}})
+        assert out["ok"]
+    for hit in (a.hits[-1], b.hits[-1]):
+        assert not _leaks(hit), hit
+        assert hit["headers"]["user-agent"] == "toolbus-test"  # a plain header goes on
+        assert hit["headers"]["x-trace"] == "t1"
