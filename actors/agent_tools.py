@@ -88,6 +88,7 @@ def agent_profiles(config: AgentConfig, *, default: ModelSettings | None = None
             settings = model_settings(config.model)
         rules = Rules(instructions=agent.instructions, output_schema=agent.output_schema,
                       max_output_retries=config.limits.max_argument_retries,
+                      max_agent_calls=config.limits.max_agent_calls,
                       mode=agent.mode or config.mode)
         out[name] = AgentProfile(rules=rules, settings=settings,
                                  tools=offered_by(agent.tools))

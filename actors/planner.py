@@ -129,6 +129,7 @@ from schemas.events import (
 from schemas.ids import (
     call_id_for,
     call_requested_id,
+    depth_of,
     is_token,
     model_requested_id,
     model_responded_id,
@@ -138,7 +139,7 @@ from schemas.ids import (
     turn_ended_id,
     turn_reevaluated_id,
 )
-from schemas.manifest import AgentConfig, AgentPolicy, ThinkStep
+from schemas.manifest import AGENT_TOOL_NAMESPACE, AgentConfig, AgentPolicy, ThinkStep
 from schemas.policy import DEFAULT_AGENT, Policy, evaluate
 from schemas.requests import DEFAULT_MAX_CALLS, MAX_TRANSFORM_CHARS
 from schemas.state import (
@@ -159,6 +160,7 @@ ACTOR = "planner"
 DEFAULT_MAX_ITERATIONS = 25
 DEFAULT_MAX_REEVALUATIONS = 3
 DEFAULT_MAX_OUTPUT_RETRIES = 2
+DEFAULT_MAX_AGENT_CALLS = 8
 EMIT_OUTPUT = "built-in:emit_output"
 REASON = "built-in:reason"
 # Decisions and model calls one delivery makes at most (a guard against a runaway turn,
@@ -219,6 +221,8 @@ class Rules:
     max_reevaluations: int = DEFAULT_MAX_REEVALUATIONS
     # A think step's output that breaks its schema is asked for again this many times.
     max_output_retries: int = DEFAULT_MAX_OUTPUT_RETRIES
+    # Agent calls a turn may make at depth 0; halved at each level of nesting (`agent_calls`).
+    max_agent_calls: int = DEFAULT_MAX_AGENT_CALLS
     # native: the provider's function calling; composed: one JSON answer (actors/composed.py)
     mode: str = "native"
     _conditions: dict[str, Any] = field(init=False, repr=False)
@@ -249,7 +253,14 @@ class Rules:
                    think=tuple(agent.think), output_schema=agent.output_schema,
                    max_reevaluations=agent.limits.max_reevaluations,
                    max_output_retries=agent.limits.max_argument_retries,
-                   mode=agent.mode)
+                   max_agent_calls=agent.limits.max_agent_calls, mode=agent.mode)
+
+    def agent_calls(self, session_id: str) -> int:
+        """The agent calls a turn of `session_id` may make: `max_agent_calls` in a session
+        a client started, half as many (at least one, if any) at each level of nesting."""
+        if self.max_agent_calls == 0:
+            return 0
+        return max(1, self.max_agent_calls >> depth_of(session_id))
 
     @property
     def emit(self) -> ToolSpec | None:
@@ -490,6 +501,7 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
                       f"{len(turn.call_ids) + new} in this turn; the limit is {max_calls} "
                       "calls per turn (policy.max_calls_per_turn), so none of them ran",
                       now)]
+    agents_left = rules.agent_calls(sid) - _agent_calls(state, turn)
     for c in real:
         if c.call_id not in state.calls:
             arguments, transform, bad_transform = split_transform(c.arguments)
@@ -505,6 +517,11 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
             elif (unusable := _unusable_arguments(c)) is not None:
                 refused = Refusal(reason="invalid_arguments", rule="planner:arguments",
                                   message=unusable)
+            elif c.name.startswith(f"{AGENT_TOOL_NAMESPACE}:"):
+                if agents_left <= 0:
+                    refused = Refusal(reason="agent_budget", rule=AGENT_BUDGET_RULE,
+                                      message=_agent_budget_spent(rules, sid))
+                agents_left -= 1
             # The refusal rides on the request too: an approval actor deciding the call
             # before the rejection is stored (in another process) refuses it alike.
             out.append(Append(CallRequested(
@@ -549,6 +566,31 @@ def _calls_due(state: SessionState, turn: TurnState, last: ModelStep, rules: Rul
             view_due(state, state.calls[c.call_id], compression) for c in real):
         return []  # the compressor is writing what the model reads of a result
     return None
+
+
+AGENT_BUDGET_RULE = "planner:agent_calls"
+
+
+def _agent_calls(state: SessionState, turn: TurnState) -> int:
+    """The agent calls of `turn` requested so far and not refused for the budget."""
+    n = 0
+    for call_id in turn.call_ids:
+        call = state.calls.get(call_id)
+        if call is not None and call.tool.startswith(f"{AGENT_TOOL_NAMESPACE}:") and not (
+                call.status == "rejected" and call.error is not None
+                and call.error.error_type == "agent_budget"):
+            n += 1
+    return n
+
+
+def _agent_budget_spent(rules: Rules, sid: str) -> str:
+    allowed = rules.agent_calls(sid)
+    depth = depth_of(sid)
+    where = (f"in this session, {depth} level(s) of agents calling agents deep (half as "
+             "many at each level)" if depth else "in a turn")
+    return (f"this turn has made the {allowed} agent call(s) allowed {where} "
+            "(agent_config.limits.max_agent_calls); do the rest yourself or answer with "
+            "what you have")
 
 
 def split_transform(arguments: Any) -> tuple[Any, str | None, str | None]:

@@ -553,6 +553,10 @@ class LimitsConfig(_Model):
     max_tokens_per_turn: Annotated[int, Field(gt=0)] | None = None
     # A call rejected for its arguments goes back to the model this many times.
     max_argument_retries: Annotated[int, Field(ge=0, le=20)] = 2
+    # Calls of agents (`agent:<name>`) one turn may make in a session a client started;
+    # half as many (at least one) at each level of agents calling agents below it, so a
+    # model talked into calling agents that call agents runs a bounded tree of turns.
+    max_agent_calls: Annotated[int, Field(ge=0, le=1024)] = 8
 
 
 class ToolRef(_Model):

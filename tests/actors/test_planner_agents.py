@@ -473,3 +473,95 @@ async def test_a_resubmitted_request_of_the_turn_does_not_stop_its_agents_child_
         await asyncio.sleep(1.0)  # time for a wrong cancellation to be stored
         (turn,) = (await client.fold_session(child)).turns.values()
         assert turn.status == "running", turn
+
+
+# --- a budget of agent calls (a security review: 64 calls a turn, 4 levels deep) --------
+
+
+def _fan_out(data: dict[str, Any]) -> dict[str, Any]:
+    """A model talked into calling `agent:delegate` three times at once whenever it may."""
+    last = data["messages"][-1]
+    tools = {t["function"]["name"] for t in data.get("tools", [])}
+    if last["role"] == "tool" or "agent__delegate" not in tools:
+        return reply("done")
+    return reply(calls=[(f"c{uuid.uuid4().hex[:6]}", "agent__delegate",
+                         {"message": "Ask yourself again."}) for _ in range(3)])
+
+
+def test_agent_calls_past_the_turns_budget_are_refused_to_the_model() -> None:
+    from actors.planner import AGENT_BUDGET_RULE
+    from schemas.events import CallRejected, CallRequested, ModelResponded, ModelToolCall
+
+    rules = Rules(max_agent_calls=8)
+    from actors.agent_tools import agent_tool_spec
+    from schemas.manifest import AgentDef
+
+    offer = Offer(provider="openai", model="main",
+                  tools=(agent_tool_spec("delegate", AgentDef(instructions="Delegate.")),))
+    for sid, allowed in (("s", 8), (child_session_id("s", "t-0", "d"), 4),
+                         ("d--3-0123456789abcdef0123", 1), ("d--5-0123456789abcdef0123", 1)):
+        state = SessionState(session_id=sid)
+        evolve(state, TurnRequested(session_id=sid, at=0, actor="session", turn_id="t",
+                                    request_id="t", call_ids=[], message="go"), 1)
+        evolve(state, ModelRequested(session_id=sid, at=0, actor="planner", turn_id="t",
+                                     iteration=1, provider="openai", model="main",
+                                     tools=1, tools_digest="d"), 2)
+        calls = [ModelToolCall(call_id=call_id_for("t", i), id=f"c{i}",
+                               name="agent:delegate", arguments={"message": "go"})
+                 for i in range(10)]
+        evolve(state, ModelResponded(session_id=sid, at=0, actor="planner", turn_id="t",
+                                     iteration=1, text="", tool_calls=calls), 3)
+        out = decide(state, offer, now=1.0, rules=rules)
+        requested = [i.event for i in out if isinstance(i.event, CallRequested)]
+        refused = [i.event for i in out if isinstance(i.event, CallRejected)]
+        assert len(requested) == 10, sid  # every call is stored, each refusal with it
+        assert [r.call_id for r in refused] == [c.call_id for c in calls[allowed:]], sid
+        assert {(r.reason, r.rule) for r in refused} == {("agent_budget", AGENT_BUDGET_RULE)}
+        assert f"the {allowed} agent call(s) allowed" in refused[0].message
+        # Stored, those refused do not count: the budget is what ran, not what was asked.
+        for seq, item in enumerate(out, start=4):
+            evolve(state, item.event, seq)
+        assert rules.agent_calls(sid) == allowed
+    assert Rules(max_agent_calls=0).agent_calls("s") == 0
+
+
+async def test_a_model_fanning_out_agents_calling_agents_runs_a_bounded_tree(
+        bus: Bus, system: dict[str, Any], client: ToolbusClient, sid: str) -> None:
+    """Three agent calls in every reply, at every level: with `max_agent_calls: 2`, two
+    run at the top, one in each child turn (half, at least one), to the depth limit."""
+    server = await _FnChat(_fan_out).start()
+    manifest = parse_manifest(
+        "agent_config:\n"
+        "  model:\n"
+        "    provider: openai\n"
+        "    model: scripted\n"
+        f"    base_url: http://127.0.0.1:{server.port}/v1\n"
+        "    api_key: ${SCRIPTED_KEY}\n"
+        "    max_retries: 1\n"
+        "  limits: {max_agent_calls: 2}\n"
+        "  agents:\n"
+        "    delegate:\n"
+        "      instructions: Delegate.\n"
+        "      tools: ['agent:*']\n", env={"SCRIPTED_KEY": "k"})
+    actor = await start_planner(bus, ActorSettings(
+        manifest=manifest, instance=f"t-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))
+    try:
+        await system["catalog"]._specs.wait_until(lambda items: "agent.delegate" in items, 5)
+        end = await client.ask(sid, "Go.", timeout=120)
+        assert isinstance(end, TurnCompleted), end
+    finally:
+        await actor.stop()
+        await server.stop()
+    # Child turns: 2 at depth 1, then one each at depths 2, 3 and 4 (whose own call is
+    # refused by the depth limit): 8, each asking the model twice, as the top turn does.
+    asked = [r for r in server.received if r["messages"][-1]["role"] != "tool"]
+    assert len(asked) == 1 + 8
+    assert len(server.received) == 2 * (1 + 8)
+    budget = [m for r in server.received for m in r["messages"]
+              if m["role"] == "tool" and "agent call(s) allowed" in (m["content"] or "")]
+    # Refused: 1 of the top turn's 3, 2 of each child turn's (the one left at depth 4 is
+    # refused by the depth limit).
+    assert len(budget) == 1 + 2 * 8
+    depth = [m for r in server.received for m in r["messages"]
+             if m["role"] == "tool" and "agents already call agents" in (m["content"] or "")]
+    assert len(depth) == 2
