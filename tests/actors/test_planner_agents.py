@@ -291,11 +291,13 @@ def _recurse(data: dict[str, Any]) -> dict[str, Any]:
     return reply("no tools")
 
 
-@pytest.fixture
-async def recursive(bus: Bus, system: dict[str, Any]) -> AsyncIterator[_FnChat]:
+@contextlib.asynccontextmanager
+async def _delegating(bus: Bus, system: dict[str, Any],
+                      fn: Callable[[dict[str, Any]], dict[str, Any]], limits: str = ""
+                      ) -> AsyncIterator[_FnChat]:
     """A planner whose named agent `delegate` is offered `agent:*`, itself included (a
-    careless manifest), as is the default agent."""
-    server = await _FnChat(_recurse).start()
+    careless manifest), as is the default agent; its model answers with `fn`."""
+    server = await _FnChat(fn).start()
     manifest = parse_manifest(
         "agent_config:\n"
         "  model:\n"
@@ -304,16 +306,25 @@ async def recursive(bus: Bus, system: dict[str, Any]) -> AsyncIterator[_FnChat]:
         f"    base_url: http://127.0.0.1:{server.port}/v1\n"
         "    api_key: ${SCRIPTED_KEY}\n"
         "    max_retries: 1\n"
+        f"{limits}"
         "  agents:\n"
         "    delegate:\n"
         "      instructions: Delegate.\n"
         "      tools: ['agent:*']\n", env={"SCRIPTED_KEY": "k"})
     actor = await start_planner(bus, ActorSettings(
         manifest=manifest, instance=f"t-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))
-    await system["catalog"]._specs.wait_until(lambda items: "agent.delegate" in items, 5)
-    yield server
-    await actor.stop()
-    await server.stop()
+    try:
+        await system["catalog"]._specs.wait_until(lambda items: "agent.delegate" in items, 5)
+        yield server
+    finally:
+        await actor.stop()
+        await server.stop()
+
+
+@pytest.fixture
+async def recursive(bus: Bus, system: dict[str, Any]) -> AsyncIterator[_FnChat]:
+    async with _delegating(bus, system, _recurse) as server:
+        yield server
 
 
 async def test_an_agent_calling_itself_stops_at_the_depth_limit(
@@ -337,7 +348,7 @@ async def test_agent_calls_waiting_for_their_children_hold_none_of_the_executors
 
     assert Executor.__init__.__kwdefaults__ is not None
     monkeypatch.setitem(Executor.__init__.__kwdefaults__, "max_in_flight", 2)
-    async for server in recursive.__wrapped__(bus, system):  # type: ignore[attr-defined]
+    async with _delegating(bus, system, _recurse) as server:
         ends = await asyncio.gather(*(client.ask(f"{sid}-{i}", "Go.", timeout=60)
                                       for i in range(3)))
         assert all(isinstance(e, TurnCompleted) for e in ends), ends
@@ -529,29 +540,10 @@ async def test_a_model_fanning_out_agents_calling_agents_runs_a_bounded_tree(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, sid: str) -> None:
     """Three agent calls in every reply, at every level: with `max_agent_calls: 2`, two
     run at the top, one in each child turn (half, at least one), to the depth limit."""
-    server = await _FnChat(_fan_out).start()
-    manifest = parse_manifest(
-        "agent_config:\n"
-        "  model:\n"
-        "    provider: openai\n"
-        "    model: scripted\n"
-        f"    base_url: http://127.0.0.1:{server.port}/v1\n"
-        "    api_key: ${SCRIPTED_KEY}\n"
-        "    max_retries: 1\n"
-        "  limits: {max_agent_calls: 2}\n"
-        "  agents:\n"
-        "    delegate:\n"
-        "      instructions: Delegate.\n"
-        "      tools: ['agent:*']\n", env={"SCRIPTED_KEY": "k"})
-    actor = await start_planner(bus, ActorSettings(
-        manifest=manifest, instance=f"t-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))
-    try:
-        await system["catalog"]._specs.wait_until(lambda items: "agent.delegate" in items, 5)
+    async with _delegating(bus, system, _fan_out,
+                           "  limits: {max_agent_calls: 2}\n") as server:
         end = await client.ask(sid, "Go.", timeout=120)
         assert isinstance(end, TurnCompleted), end
-    finally:
-        await actor.stop()
-        await server.stop()
     # Child turns: 2 at depth 1, then one each at depths 2, 3 and 4 (whose own call is
     # refused by the depth limit): 8, each asking the model twice, as the top turn does.
     asked = [r for r in server.received if r["messages"][-1]["role"] != "tool"]
