@@ -20,6 +20,7 @@ Stream: `message_start`, `content_block_start`, `content_block_delta` (`text_del
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -64,6 +65,14 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
     if tools:
         body["tools"] = exported
         body["tool_choice"] = {"type": TOOL_CHOICE[tool_choice]}
+    else:
+        used = _tools_used(messages, names)
+        if used:
+            # The API refuses tool_use and tool_result blocks in a request that defines no
+            # tools ("... must define tools"): those the history used are declared, and
+            # none may be called.
+            body["tools"] = used
+            body["tool_choice"] = {"type": "none"}
     if settings.temperature is not None:
         body["temperature"] = settings.temperature
     if response_schema is not None:
@@ -79,6 +88,19 @@ def build(settings: ModelSettings, *, system: str | None, messages: Sequence[Mes
         provider=PROVIDER, url=f"{url}/messages", headers=headers, body=body,
         parse=lambda data: parse(data, names),
         stream=(lambda: MessagesStream(names)) if stream else None)
+
+
+_TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _tools_used(messages: Sequence[Message], names: Names) -> list[dict[str, Any]]:
+    """A declaration of each tool the history's calls name (the API's name pattern held),
+    or, with results but no such call, of one stand-in."""
+    used = dict.fromkeys(pname for m in messages for c in m.tool_calls
+                         if _TOOL_NAME.fullmatch(pname := names.out(c.name)))
+    if not used and any(m.role == "tool" for m in messages):
+        used = {"tool": None}
+    return [{"name": n, "input_schema": {"type": "object"}} for n in used]
 
 
 _Wire = tuple[str, Any] | None  # ("assistant", message) or ("result" | "text", block)
@@ -230,8 +252,10 @@ class MessagesStream:
         return ""
 
     def _add_usage(self, usage: Any) -> None:
+        # A null count says nothing: `message_delta` sends `"input_tokens": null` (and
+        # nulls for the cache counts), which must not erase those of `message_start`.
         if isinstance(usage, dict):  # otherwise no count (see `tokens`)
-            self._usage.update(usage)
+            self._usage.update((k, v) for k, v in usage.items() if v is not None)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> str:
         self._blocks.setdefault(index, {"type": "text", "text": ""})

@@ -164,6 +164,7 @@ class ChatStream:
         # string grown fragment by fragment costs the square of its length).
         self._calls: dict[int, tuple[list[str], list[str], list[str]]] = {}
         self._last: int | None = None  # the call the latest fragment went to
+        self._slots: dict[Any, int] = {}  # an index reused by a new call -> that call
         self._finish: str | None = None
         self._usage: Any = {}
         self._model = ""
@@ -189,9 +190,11 @@ class ChatStream:
             piece += delta.get("content") or ""
             piece += delta.get("refusal") or ""  # the answer, when the model refuses
             for fragment in delta.get("tool_calls") or []:
-                key = fragment.get("index")
-                if key is None:
+                index = fragment.get("index")
+                if index is None:
                     key = self._unindexed(fragment.get("id"))
+                else:
+                    key = self._indexed(index, fragment.get("id"))
                 self._last = key
                 ids, names, arguments = self._calls.setdefault(key, ([], [], []))
                 if fragment.get("id"):
@@ -210,6 +213,18 @@ class ChatStream:
         if piece:
             self._text.append(piece)
         return piece
+
+    def _indexed(self, index: Any, call_id: Any) -> Any:
+        """Where a fragment with an `index` goes: that index's call, unless it brings an id
+        other than that call's. Then it starts a call of its own, and the index's later
+        fragments go to it: Ollama, and a few other compatible servers, give every call of
+        a parallel batch `index: 0`."""
+        key = self._slots.get(index, index)
+        held = self._calls.get(key)
+        if held is not None and call_id and held[0] not in ([], [call_id]):
+            key = max((k for k in self._calls if isinstance(k, int)), default=-1) + 1
+            self._slots[index] = key
+        return key
 
     def _unindexed(self, call_id: Any) -> int:
         """Where a fragment without an `index` goes (some compatible servers send each

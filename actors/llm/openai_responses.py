@@ -214,7 +214,13 @@ class ResponsesStream:
             response = ev.get("response") or {}
             raise stream_error(PROVIDER, response.get("error") or {"message": "failed"})
         elif kind == "error":
-            raise stream_error(PROVIDER, {"code": ev.get("code"), "message": ev.get("message")})
+            # The reference shows `code` and `message` flat; the live API nests them (and
+            # the error's `type`) under `error`.
+            error = {"code": ev.get("code"), "message": ev.get("message")}
+            nested = ev.get("error")
+            if isinstance(nested, dict):
+                error.update((k, v) for k, v in nested.items() if v)
+            raise stream_error(PROVIDER, error)
         return ""
 
     def result(self) -> ModelResponse:

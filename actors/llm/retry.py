@@ -3,7 +3,8 @@
 Retried: connection errors and timeouts, 408, 409, 429 and 5xx, as the OpenAI and
 Anthropic SDKs and Temporal's model activity do; an `x-should-retry` header overrides
 that either way. The wait is the server's (`retry-after-ms`, then `retry-after` in seconds
-or as an HTTP date), else exponential backoff with jitter. Bounded twice: at most
+or as an HTTP date, then a `google.rpc.RetryInfo` in the error body, where Gemini gives
+it), else exponential backoff with jitter. Bounded twice: at most
 `max_retries` more attempts, and no attempt starts after `budget_s` from the first (a
 `retry-after` longer than what is left ends the call at once instead of sleeping).
 
@@ -199,8 +200,37 @@ def http_error(provider: str, status: int, headers: Mapping[str, str], body: byt
                    "nowhere else)")
     else:
         message = provider_message(body)
+    wait = retry_after(headers)
+    if wait is None:
+        wait = retry_delay(body)
     return ModelError(kind, clip(redact(message, key)), provider=provider,
-                      status=status, retryable=retryable, retry_after_s=retry_after(headers))
+                      status=status, retryable=retryable, retry_after_s=wait)
+
+
+_DURATION: Final = re.compile(r"(\d{1,12}(?:\.\d{1,9})?)s")
+
+
+def retry_delay(body: bytes) -> float | None:
+    """The wait an error body asks for, in seconds, or None: Gemini gives it there, not in
+    a header (`{"error": {"details": [{"@type": "...google.rpc.RetryInfo", "retryDelay":
+    "37s"}]}}`)."""
+    if b"RetryInfo" not in body:
+        return None
+    try:
+        data: Any = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return None
+    if isinstance(data, list) and data:
+        data = data[0]
+    error = data.get("error") if isinstance(data, dict) else None
+    details = error.get("details") if isinstance(error, dict) else None
+    for detail in details if isinstance(details, list) else []:
+        if isinstance(detail, dict) and str(detail.get("@type", "")).endswith(
+                "google.rpc.RetryInfo"):
+            found = _DURATION.fullmatch(str(detail.get("retryDelay", "")))
+            if found:
+                return float(found[1])
+    return None
 
 
 async def with_retries(attempt: Callable[[], Awaitable[T]], *, max_retries: int,

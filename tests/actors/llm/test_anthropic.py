@@ -167,3 +167,58 @@ def test_results_move_ahead_of_user_text_to_keep_tool_result_adjacency() -> None
             {"type": "text", "text": "Thanks."}]},
     ]
     assert "x-api-key" not in request.headers
+
+
+async def test_streamed_usage_keeps_the_input_tokens_a_null_in_message_delta_leaves_out(
+        fake: FakeProvider) -> None:
+    # The API's `message_delta` carries `"input_tokens": null` (and nulls for the cache
+    # counts): it says nothing of them, so `message_start`'s counts stand (as the SDK
+    # reads it). They were overwritten with null and the streamed input counted as 0.
+    step = reply("anthropic", "Sunny.", stream=True)
+    assert step.events is not None
+    name, data = step.events[0]
+    data["message"]["usage"] = {"input_tokens": 21, "cache_creation_input_tokens": 4,
+                                "cache_read_input_tokens": 100, "output_tokens": 1}
+    for i, (name, data) in enumerate(step.events):
+        if name == "message_delta":
+            step.events[i] = (name, {**data, "usage": {
+                "input_tokens": None, "cache_creation_input_tokens": None,
+                "cache_read_input_tokens": None, "output_tokens": 9}})
+    fake.script(step)
+
+    async def on_delta(text: str) -> None:
+        pass
+
+    answer = await complete(settings(fake), system=None,
+                            messages=[Message(role="user", text="?")], tools=TOOLS,
+                            on_delta=on_delta)
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (125, 9)
+
+
+async def test_a_history_with_tool_blocks_declares_their_tools_when_none_are_offered(
+        fake: FakeProvider) -> None:
+    # The API refuses tool_use or tool_result blocks in a request without `tools`
+    # ("Requests which include tool_use or tool_result blocks must define tools"): a think
+    # or match step after calls (or after an injected tool event) offers none, and failed
+    # with a 400 every time. The tools used are declared, and none may be called.
+    fake.script(reply("anthropic", '{"ok": true}'))
+    history = [Message(role="user", text="Weather?"),
+               Message(role="assistant", tool_calls=[
+                   ToolCall(id="toolu_01A", name="weather:get_forecast",
+                            arguments={"city": "Paris"}),
+                   ToolCall(id="toolu_01B", name="event__feed", arguments={})]),
+               Message(role="tool", tool_call_id="toolu_01A", name="weather:get_forecast",
+                       text="sunny"),
+               Message(role="tool", tool_call_id="toolu_01B", name="event__feed",
+                       text="{}")]
+    await complete(settings(fake), system=None, messages=history, tools=[],
+                   response_schema={"type": "object"})
+    body = fake.requests[0].body
+    assert body["tools"] == [
+        {"name": "weather__get_forecast", "input_schema": {"type": "object"}},
+        {"name": "event__feed", "input_schema": {"type": "object"}}]
+    assert body["tool_choice"] == {"type": "none"}
+    # Without tool blocks, still no tools at all.
+    fake.script(reply("anthropic", "hi"))
+    await complete(settings(fake), system=None, messages=history[:1], tools=[])
+    assert "tools" not in fake.requests[1].body and "tool_choice" not in fake.requests[1].body

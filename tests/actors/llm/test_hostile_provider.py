@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import tracemalloc
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -223,6 +225,32 @@ async def test_a_reply_over_the_size_limit_is_refused(server: tuple[RawServer, i
     assert got.kind == "partial_stream" and 50 < len(deltas) < 110
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_gzip_bomb_is_refused_without_inflating_it_whole(
+        server: tuple[RawServer, int], stream: bool) -> None:
+    # 512 MiB of zeros in half a megabyte, `content-encoding: gzip`. aiohttp before 3.13.3
+    # (CVE-2025-69223) inflated each chunk the socket gave whole, some 125 MiB per read,
+    # before the reply's size was counted: a bound of 16 MiB that held nothing.
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    data = b"".join([packer.compress(bytes(1 << 20)) for _ in range(512)] + [packer.flush()])
+    ctype = "text/event-stream" if stream else "application/json"
+
+    async def send(w: asyncio.StreamWriter) -> None:
+        w.write(f"HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ncontent-encoding: gzip\r\n"
+                f"content-length: {len(data)}\r\nconnection: close\r\n\r\n".encode() + data)
+        await w.drain()
+    raw, port = server
+    raw.reply = send
+    tracemalloc.start()
+    try:
+        got, _ = await ask(port, stream=stream)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(got, ModelError) and "over 16777216 bytes" in got.message, got
+    assert peak < 3 * transport.MAX_REPLY_BYTES, f"{peak / 2**20:.0f} MiB at the peak"
+
+
 @pytest.mark.parametrize("provider", ["openai", "openai-responses", "anthropic", "gemini"])
 @pytest.mark.parametrize("line", [b"x" * 65536, b"x" * 1000 + b"\ndata: "],
                          ids=["one-line", "no-blank-line"])
@@ -327,6 +355,29 @@ async def test_parallel_calls_streamed_without_an_index_stay_apart(
     assert not isinstance(got, ModelError), got
     assert [(c.id, c.arguments) for c in got.tool_calls] == [("call_1", {"n": 1}),
                                                               ("call_2", {"n": 2})]
+
+
+async def test_parallel_calls_streamed_all_at_index_0_stay_apart(
+        server: tuple[RawServer, int]) -> None:
+    # Ollama (ollama/ollama#15457) and some other compatible servers give every call of a
+    # parallel batch `index: 0`, each starting with its own id: they were joined into one
+    # call, with the last id, both names run together and the arguments '{...}{...}'.
+    def chunk(fragment: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, **fragment}]}, "finish_reason": finish}]})
+    raw, port = server
+    raw.reply = events([
+        chunk({"id": "call_1", "type": "function",
+               "function": {"name": "a__b", "arguments": '{"n": '}}),
+        chunk({"function": {"arguments": "1}"}}),
+        chunk({"id": "call_2", "type": "function",
+               "function": {"name": "c__d", "arguments": '{"n": 2}'}}),
+        chunk({"id": "call_2", "function": {"arguments": ""}}, "tool_calls"),
+        b"data: [DONE]\n\n"])
+    got, _ = await ask(port, stream=True)
+    assert not isinstance(got, ModelError), got
+    assert [(c.id, c.name, c.arguments) for c in got.tool_calls] == [
+        ("call_1", "a:b", {"n": 1}), ("call_2", "c:d", {"n": 2})]
 
 
 async def test_a_responses_stream_whose_items_lack_its_text_answers_the_text_shown(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from actors.llm import Message, ModelSettings, ToolCall, complete
 from actors.llm.openai_responses import build
+from schemas.errors import ModelError
 from tests.actors.llm.conftest import KEY, TOOLS
 from tests.llm_servers import Call, FakeProvider, Step, reply, responses_body
 
@@ -146,3 +149,24 @@ def test_json_schema_output_and_tool_choice_go_in_their_fields() -> None:
     assert request.body["text"] == {"format": {"type": "json_schema", "name": "response",
                                                "schema": schema, "strict": True}}
     assert "authorization" not in request.headers
+
+
+async def test_a_streamed_error_event_nesting_its_fields_under_error_says_what_failed(
+        fake: FakeProvider) -> None:
+    # What the live API sends (the reference shows the fields flat, read too): the
+    # provider's message was lost ("error event"), and an invalid request was tried again
+    # as if the server had failed.
+    fake.script(Step(events=[("error", {"type": "error", "sequence_number": 2, "error": {
+        "type": "invalid_request_error", "code": "context_length_exceeded",
+        "message": "Your input exceeds the context window of this model.",
+        "param": "input"}})]))
+
+    async def on_delta(text: str) -> None:
+        pass
+
+    with pytest.raises(ModelError) as caught:
+        await complete(settings(fake), system=None, messages=[Message(role="user", text="?")],
+                       tools=TOOLS, on_delta=on_delta)
+    assert caught.value.kind == "bad_request"
+    assert caught.value.attempts == 1
+    assert "exceeds the context window" in str(caught.value)

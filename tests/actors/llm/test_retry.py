@@ -69,6 +69,31 @@ async def test_429_with_retry_after_waits_what_the_server_said_then_succeeds(
     assert "".join(deltas) == ("Sunny." if stream else "")
 
 
+async def test_a_gemini_429_waits_the_retry_delay_its_body_gives(
+        fake: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
+    # Gemini's wait is in the body (google.rpc.RetryInfo), with no retry-after header: it
+    # was backed off a few tenths of a second, four times, all refused (its per-minute
+    # quotas ask for tens of seconds), and a daily quota's "52758s" was retried too.
+    caplog.set_level(logging.WARNING, "toolbus.llm")
+    quota = error("gemini", 429, "You exceeded your current quota")
+    quota.body["error"]["details"] = [
+        {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": []},
+        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "0.125s"}]
+    fake.script(quota, reply("gemini", "Sunny."))
+    answer = await complete(settings(fake, "gemini"), system=None, messages=ASK, tools=TOOLS)
+    assert (answer.text, answer.extra["attempts"]) == ("Sunny.", 2)
+    assert waits(caplog) == ["0.12 s"]
+    daily = error("gemini", 429, "You exceeded your current quota")
+    daily.body["error"]["details"] = [
+        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "52758s"}]
+    fake.reset()
+    fake.script(daily)
+    with pytest.raises(ModelError) as caught:
+        await complete(settings(fake, "gemini"), system=None, messages=ASK, tools=TOOLS)
+    assert (caught.value.kind, caught.value.attempts) == ("rate_limited", 1)
+    assert "wait 5.28e+04 s" in str(caught.value)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_500_is_retried_with_backoff_then_succeeds(
