@@ -18,6 +18,7 @@ gets a `result.compressed`, a clipped excerpt, so no turn waits forever.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -35,7 +36,7 @@ from bus.eventlog import Append, decode_stored
 from bus.streams import ConsumerSpec
 from bus.subjects import EVENTS_STREAM, session_of, type_filter
 from schemas.defaults import ACK_WAIT_S, DECIDE_ATTEMPTS
-from schemas.events import CallSucceeded, ResultCompressed
+from schemas.events import CallSucceeded, ResultCompressed, ResultRef
 from schemas.ids import is_token, result_compressed_id
 from schemas.manifest import DEFAULT_MAX_HISTORY_CHARS, AgentConfig, CompressionConfig
 from schemas.requests import strip_controls
@@ -50,6 +51,13 @@ CONTEXT_STATUS: Final = "built-in:context-status"
 NEVER_COMPRESSED: Final = frozenset({RECALL, CONTEXT_STATUS})
 KEY_PREFIX: Final = "_tool_result_"
 _ERROR_CHARS = 300
+# The largest stored result read whole to preview, transform or recall (in the planner's
+# process): a tool may store up to 256 MiB (MAX_RESULT_BYTES), and a JSON value decoded
+# takes several times its size in memory while the decode holds the event loop. A larger
+# one reaches the model as its size and first characters, and cannot be recalled.
+MAX_READ_RESULT_BYTES = 16 * 1024 * 1024
+# Stored results read whole at once, per process (each up to the bound above, decoded).
+READS_AT_ONCE: Final = 2
 
 
 @dataclass(frozen=True)
@@ -140,11 +148,49 @@ def compress_call(state: SessionState, call: CallState, result: Any,
     return Append(event, result_compressed_id(state.session_id, call.call_id))
 
 
-async def whole_result(artifacts: ArtifactStore, call: CallState) -> Any:
+class ResultTooLargeError(Exception):
+    """A stored result over `MAX_READ_RESULT_BYTES`: not read."""
+
+    def __init__(self, ref: ResultRef, limit: int) -> None:
+        bound = f"{limit // 1024 // 1024} MiB" if limit % (1024 * 1024) == 0 else \
+            f"{limit:,} bytes"
+        super().__init__(f"the result is {ref.size:,} bytes of JSON, over the {bound} "
+                         "toolbus reads whole; ask the tool for less")
+        self.ref = ref
+
+
+async def read_result(artifacts: ArtifactStore, ref: ResultRef, reading: asyncio.Semaphore,
+                      limit: int | None = None) -> Any:
+    """A result from the object store, decoded (`ResultTooLargeError` over `limit`,
+    default `MAX_READ_RESULT_BYTES`), at most as many at once as `reading` lets."""
+    limit = MAX_READ_RESULT_BYTES if limit is None else limit
+    if ref.size > limit:
+        raise ResultTooLargeError(ref, limit)
+    async with reading:
+        return msgspec.json.decode(await artifacts.read(ref))
+
+
+async def whole_result(artifacts: ArtifactStore, call: CallState,
+                       reading: asyncio.Semaphore, limit: int | None = None) -> Any:
     """The call's whole result: from its event, or read from the object store."""
     if call.result_ref is None:
         return call.result
-    return msgspec.json.decode(await artifacts.read(call.result_ref))
+    return await read_result(artifacts, call.result_ref, reading, limit)
+
+
+def unread_call(state: SessionState, call: CallState, exc: ResultTooLargeError,
+                compression: Compression, *, now: float) -> Append:
+    """The `result.compressed` of `call`, whose stored result is too large to read: its
+    size and first characters, with no key (nothing can recall it)."""
+    budget, _ = compression.settings(call.agent, call.tool)
+    head = f"[NOT READ | {call.tool}] {exc}. It begins: "
+    view = head + strip_controls(exc.ref.preview)[:max(0, budget - len(head))]
+    event = ResultCompressed(
+        session_id=state.session_id, at=now, actor=ACTOR, call_id=call.call_id,
+        turn_id=call.turn_id, tool=call.tool, chars=exc.ref.size, budget=budget,
+        view=view, key=None, transform=call.transform,
+        transform_error=str(exc) if call.transform is not None else None)
+    return Append(event, result_compressed_id(state.session_id, call.call_id))
 
 
 class Compressor:
@@ -158,6 +204,7 @@ class Compressor:
         # there is judged without reading its session (see `_small`).
         self._known = known
         self._artifacts = ArtifactStore(bus)
+        self._reading = asyncio.Semaphore(READS_AT_ONCE)
         self._compression = compression or Compression()
         self._clock = clock
         self._kernel.add(Inbox(
@@ -197,12 +244,19 @@ class Compressor:
         if call is None or not view_due(entry.state, call, self._compression):
             await delivery.ack()
             return
-        result = await whole_result(self._artifacts, call)
+        unread: ResultTooLargeError | None = None
+        try:
+            result = await whole_result(self._artifacts, call, self._reading)
+        except ResultTooLargeError as exc:
+            result, unread = None, exc
 
         def due(state: SessionState) -> list[Append]:
             now_call = state.calls.get(call_id)
             if now_call is None or not view_due(state, now_call, self._compression):
                 return []
+            if unread is not None:
+                return [unread_call(state, now_call, unread, self._compression,
+                                    now=self._clock())]
             return [compress_call(state, now_call, result, self._compression,
                                   now=self._clock())]
 
@@ -251,10 +305,13 @@ class Compressor:
 __all__ = [
     "ACTOR",
     "CONTEXT_STATUS",
+    "MAX_READ_RESULT_BYTES",
     "RECALL",
     "Compression",
     "Compressor",
+    "ResultTooLargeError",
     "compress_call",
+    "read_result",
     "result_chars",
     "view_due",
     "whole_result",

@@ -14,14 +14,21 @@ of every tool: offered to the model, approved (read-only), dispatched, stored as
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import msgspec
-
 from actors import compress
-from actors.compressor import CONTEXT_STATUS, RECALL, Compression, whole_result
+from actors.compressor import (
+    CONTEXT_STATUS,
+    READS_AT_ONCE,
+    RECALL,
+    Compression,
+    ResultTooLargeError,
+    read_result,
+    whole_result,
+)
 from actors.executor import Executor, current_dispatch
 from actors.kernel import SessionStates
 from actors.planner import DEFAULT_MAX_ITERATIONS, message_chars, transcript
@@ -121,6 +128,9 @@ class ContextTool:
         return await self.read(d, arguments)
 
 
+_UNKNOWN: Final = object()  # no result stored under the key recalled
+
+
 class ContextExecutor(Executor):
     """The executor of the context tools, in the planner's process (pool `context`)."""
 
@@ -130,6 +140,7 @@ class ContextExecutor(Executor):
         self._log = EventLog(bus)
         self._states = SessionStates(bus, self._log)
         self._artifacts = ArtifactStore(bus)
+        self._reading = asyncio.Semaphore(READS_AT_ONCE)
         self._compression = compression or Compression()
         self._max_iterations = max_iterations
         tools: list[RunnableTool] = [ContextTool(RECALL_SPEC, self._recall),
@@ -146,12 +157,18 @@ class ContextExecutor(Executor):
         key = str(arguments.get("key", ""))
         call_id = state.result_keys.get(key)
         injected = next((e for e in state.tool_events if e.event_id == key), None)
-        if injected is not None:
-            result = injected.result if injected.result_ref is None else msgspec.json.decode(
-                await self._artifacts.read(injected.result_ref))
-        elif call_id is not None and call_id in state.calls:
-            result = await whole_result(self._artifacts, state.calls[call_id])
-        else:
+        try:
+            if injected is not None:
+                result = injected.result if injected.result_ref is None else \
+                    await read_result(self._artifacts, injected.result_ref, self._reading)
+            elif call_id is not None and call_id in state.calls:
+                result = await whole_result(self._artifacts, state.calls[call_id],
+                                            self._reading)
+            else:
+                result = _UNKNOWN
+        except ResultTooLargeError as exc:
+            raise ToolError(f"{key}: {exc}", error_type="too_large") from None
+        if result is _UNKNOWN:
             known = ", ".join(state.result_keys) or "none yet"
             raise ToolError(f"no result is stored as {key!r} in this session; stored: {known}",
                             error_type="unknown_key")

@@ -35,7 +35,8 @@ from tests.actors.test_planner import ScriptedChat, reply
 from tests.conftest import EventWatch, of_type, run_toolbus
 from tests.github import COMMITS
 
-TOOLS = ("built-in:", "testing:list_commits", "testing:sleep", "testing:append_line")
+TOOLS = ("built-in:", "testing:list_commits", "testing:sleep", "testing:append_line",
+         "testing:blob")
 
 
 @pytest.fixture
@@ -378,3 +379,34 @@ async def test_a_long_conversation_reaches_the_model_cut_to_the_history_budget(
         ["question 0", "answer 0 .", "question 1"]
     status = json.loads(tool_messages(model.received[-1])[-1]["content"])
     assert 600 < status["context"]["chars"] < 1000 + 200
+
+
+async def test_a_stored_result_too_large_to_read_reaches_the_model_as_its_size(
+        monkeypatch: pytest.MonkeyPatch, bus: Bus, client: ToolbusClient, planner: Planner,
+        model: ScriptedChat, sid: str) -> None:
+    """A tool (or an MCP server) may store up to 256 MiB: decoded whole in the planner's
+    process to preview or recall, a result takes several times that in memory and holds
+    its event loop. Over the bound (lowered here), the model reads its size and first
+    characters, and `recall` says it is too large."""
+    import actors.compressor
+
+    monkeypatch.setattr(actors.compressor, "MAX_READ_RESULT_BYTES", 100_000)
+    rows = [{"day": i, "memo": "x" * 100} for i in range(900)]  # about 110 KB
+    event_id = await _inject(bus, sid, {"tool_id": "injected:ledger", "result": rows,
+                                        "idempotency_key": "big-1"})
+    model.script = [
+        (200, reply(calls=[("c1", "testing__blob", {"size": 400_000, "fill": "z"})])),
+        (200, reply(calls=[("c2", "built-in__recall", {"key": event_id})])),
+        (200, reply("Too large to read.")),
+    ]
+    end = await client.ask(sid, "Read the blob and the ledger.", timeout=30)
+    assert isinstance(end, TurnCompleted), end
+    shown = tool_messages(model.received[1])[-1]
+    assert shown["content"].startswith("[NOT READ | testing:blob] the result is 400,002 "
+                                       "bytes of JSON, over the 100,000 bytes toolbus reads whole")
+    assert shown["content"].endswith("zzzz") and len(shown["content"]) <= 800
+    recalled = tool_messages(model.received[2])[-1]["content"]
+    assert "too_large" in recalled and f"{event_id}: the result is" in recalled
+    events = [s.event for s in await EventLog(bus).read_session(sid)]
+    (compressed,) = [e for e in events if isinstance(e, ResultCompressed)]
+    assert compressed.key is None and compressed.chars == 400_002
