@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay: events in the session to replay (default 10000)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     _add_fsync(p, default=None)
-    _add_nats(p)
+    # No --data-dir: each benchmark starts its own server, or measures the one --nats names.
+    _add_nats(p, data_dir=False)
     return parser
 
 
@@ -404,6 +405,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"toolbus bench {args.what}: not used here: {', '.join(given)} ("
                   + "; ".join(f"{flag} is for " + ", ".join(f"`bench {w}`" for w in ws)
                               for flag, ws in users.items()) + ")", file=sys.stderr)
+            return EXIT_USAGE
+        started_here = [flag for flag, dest in (("--fsync", "fsync"), ("--workers", "workers"))
+                        if getattr(args, dest) is not None]
+        if args.nats is not None and started_here:
+            # Those shape the server and `toolbus up` a benchmark starts; with --nats it
+            # measures the running ones as they are.
+            print(f"toolbus bench {args.what}: not used with --nats: "
+                  f"{', '.join(started_here)} (the benchmark measures the server --nats "
+                  "names as it runs; they are for the server and `toolbus up` it starts "
+                  "without --nats)", file=sys.stderr)
             return EXIT_USAGE
     if args.command == "bench" and args.what == "agent" and args.turns == 1:
         print("toolbus bench agent: --turns 1 has no history to compare: give 2 or more "

@@ -67,7 +67,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from actors import compressor
 from bus.approvals import ApprovalStore
+from bus.artifacts import ArtifactStore
 from bus.client import ToolbusClient
 from bus.connection import Bus, as_bus_error
 from bus.feed import MAX_SEQ, SessionFeed
@@ -696,6 +698,27 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
     client = ToolbusClient(bus)
     approvals = ApprovalStore(bus)
     streams = _Streams(MAX_STREAMS)
+    artifacts = ArtifactStore(bus)
+    reading = asyncio.Semaphore(compressor.READS_AT_ONCE)
+
+    async def resolve(state: SessionState) -> tuple[int, int]:
+        """Put results stored by reference back into `state`, as the context tools read
+        them (at most `READS_AT_ONCE` at a time in this process), up to
+        `MAX_READ_RESULT_BYTES` in all: a tool may store 256 MiB, decoded here several
+        times that, and any client may ask. Returns (resolved, left as references)."""
+        resolved = left = 0
+        budget = compressor.MAX_READ_RESULT_BYTES
+        for call in state.calls.values():
+            ref = call.result_ref
+            if ref is None:
+                continue
+            if ref.size > budget:
+                left += 1
+                continue
+            budget -= ref.size
+            call.result = await compressor.read_result(artifacts, ref, reading)
+            resolved += 1
+        return resolved, left
 
     app = _Gateway(
         title="toolbus HTTP gateway", version="1",
@@ -848,7 +871,11 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                                             "event log here", "schema": {"type": "string"}},
                  "X-Toolbus-Resolved-References": {"description": "with full=1: how many "
                                                    "results were put back in",
-                                                   "schema": {"type": "integer"}}}),
+                                                   "schema": {"type": "integer"}},
+                 "X-Toolbus-Unresolved-References": {
+                     "description": "with full=1: how many results were left as references "
+                     "(`result_ref`), past the 16 MiB put back in one reply (`toolbus "
+                     "replay SID --full` reads them all)", "schema": {"type": "integer"}}}),
                         **_failures(403, 503)})
     async def state(sid: Sid, role: AnyRole, full: Annotated[str | None, Query(
             description="1 or true: put results stored by reference back in")] = None
@@ -865,8 +892,10 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 live = await client.fold_session(sid)
                 headers["X-Toolbus-State-Source"] = "log"
             if full in ("1", "true"):
-                resolved = await client.resolve_references(live)
+                resolved, left = await resolve(live)
                 headers["X-Toolbus-Resolved-References"] = str(resolved)
+                if left:
+                    headers["X-Toolbus-Unresolved-References"] = str(left)
         except InvalidIdError as exc:
             return _error(400, str(exc))
         except ToolbusError as exc:

@@ -500,7 +500,7 @@ def _fan_out(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_agent_calls_past_the_turns_budget_are_refused_to_the_model() -> None:
-    from actors.planner import AGENT_BUDGET_RULE
+    from actors.planner import AGENT_BUDGET_RULE, _agent_calls
     from schemas.events import CallRejected, CallRequested, ModelResponded, ModelToolCall
 
     rules = Rules(max_agent_calls=8)
@@ -533,6 +533,7 @@ def test_agent_calls_past_the_turns_budget_are_refused_to_the_model() -> None:
         for seq, item in enumerate(out, start=4):
             evolve(state, item.event, seq)
         assert rules.agent_calls(sid) == allowed
+        assert _agent_calls(state, state.turns["t"]) == allowed
     assert Rules(max_agent_calls=0).agent_calls("s") == 0
 
 
@@ -557,3 +558,46 @@ async def test_a_model_fanning_out_agents_calling_agents_runs_a_bounded_tree(
     depth = [m for r in server.received for m in r["messages"]
              if m["role"] == "tool" and "agents already call agents" in (m["content"] or "")]
     assert len(depth) == 2
+
+
+def test_an_agent_call_refused_for_its_arguments_leaves_the_budget_for_its_retry() -> None:
+    """A call the approval actor refused for its arguments goes back to the model to be
+    made again (`max_argument_retries`); it ran no child turn, so it spends none of the
+    budget: at depth 3 (one agent call) the corrected call runs, not refused."""
+    from actors.agent_tools import agent_tool_spec
+    from actors.planner import _agent_calls
+    from schemas.events import CallRejected, CallRequested, ModelResponded, ModelToolCall
+    from schemas.manifest import AgentDef
+
+    sid = "d--3-0123456789abcdef0123"
+    rules = Rules(max_agent_calls=8)
+    assert rules.agent_calls(sid) == 1
+    offer = Offer(provider="openai", model="main",
+                  tools=(agent_tool_spec("delegate", AgentDef(instructions="Delegate.")),))
+    state = SessionState(session_id=sid)
+    seq = 0
+
+    def fold(event: Event) -> None:
+        nonlocal seq
+        seq += 1
+        evolve(state, event, seq)
+
+    fold(TurnRequested(session_id=sid, at=0, actor="session", turn_id="t", request_id="t",
+                       call_ids=[], message="go"))
+    for iteration, arguments in ((1, {"nope": 1}), (2, {"message": "go"})):
+        fold(ModelRequested(session_id=sid, at=0, actor="planner", turn_id="t",
+                            iteration=iteration, provider="openai", model="main", tools=1,
+                            tools_digest="d"))
+        call = ModelToolCall(call_id=call_id_for("t", iteration), id=f"c{iteration}",
+                             name="agent:delegate", arguments=arguments)
+        fold(ModelResponded(session_id=sid, at=0, actor="planner", turn_id="t",
+                            iteration=iteration, text="", tool_calls=[call]))
+        out = decide(state, offer, now=1.0, rules=rules)
+        assert [type(i.event) for i in out] == [CallRequested], out  # not refused
+        fold(out[0].event)
+        if iteration == 1:  # the approval actor refuses it for its arguments
+            fold(CallRejected(session_id=sid, at=1, actor="approval", call_id=call.call_id,
+                              turn_id="t", tool="agent:delegate", reason="invalid_arguments",
+                              rule="schema", message="$.message: required"))
+            assert _agent_calls(state, state.turns["t"]) == 0
+    assert _agent_calls(state, state.turns["t"]) == 1  # the one that runs

@@ -53,6 +53,13 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
      "bench validation: not used here: --concurrency, --fsync (--concurrency is for "
      "`bench calls`, `bench mcp`; --fsync is for `bench calls`, `bench mcp`, `bench replay`"),
     (("bench", "agent", "--events", "10"), "--events is for `bench replay`"),
+    # With --nats the running server is measured: what would shape the one a benchmark
+    # starts is not silently dropped; nor is a data dir no benchmark reads.
+    (("bench", "calls", "--nats", "nats://127.0.0.1:9", "--fsync", "always", "--workers",
+      "2"), "bench calls: not used with --nats: --fsync, --workers"),
+    (("bench", "replay", "--nats", "nats://127.0.0.1:9", "--fsync", "always"),
+     "bench replay: not used with --nats: --fsync"),
+    (("bench", "validation", "--data-dir", "/nowhere"), "unrecognized arguments: --data-dir"),
     (("state", "no.dots"), "invalid session id 'no.dots'"),
     (("chat", "hi", "--session", "a b"), "invalid session id 'a b'"),
     (("chat", "hi", "--session", ""), "invalid session id ''"),  # not a new session

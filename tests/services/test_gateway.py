@@ -324,6 +324,30 @@ async def test_state_keeps_full_and_its_headers(web: Web, bus: Bus, sid: str) ->
         assert bad_id.json()["ok"] is False and "session id" in bad_id.json()["error"]
 
 
+async def test_state_full_puts_back_no_more_than_the_context_tools_read(
+        monkeypatch: pytest.MonkeyPatch, web: Web, bus: Bus, sid: str) -> None:
+    """`?full=1` decodes stored results in toolbus up's process, for any client: up to
+    the bound the compressor and recall keep (lowered here), the rest left as
+    references and counted, not every result of the session (each up to 256 MiB)."""
+    import actors.compressor
+
+    monkeypatch.setattr(actors.compressor, "MAX_READ_RESULT_BYTES", 400_000)
+    async with web.as_role("client") as c:
+        sent = await c.post(f"/sessions/{sid}/requests", json={
+            "request_id": "r1", "calls": [{"tool": "testing:blob",
+                                           "arguments": {"size": 300_000}}] * 2})
+        assert sent.status_code == 202
+        await _ended(bus, sid)
+        full = await c.get(f"/sessions/{sid}/state", params={"full": "1"})
+        assert full.status_code == 200
+        assert full.headers["X-Toolbus-Resolved-References"] == "1"
+        assert full.headers["X-Toolbus-Unresolved-References"] == "1"
+        calls = full.json()["calls"]
+        assert calls["r1-0"]["result"] == "x" * 300_000
+        assert calls["r1-1"]["result"] is None
+        assert calls["r1-1"]["result_ref"]["size"] == 300_002
+
+
 # --- the OpenAPI document ------------------------------------------------------------------
 
 
