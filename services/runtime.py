@@ -151,9 +151,12 @@ async def start_actors(bus: Bus, kinds: Sequence[str], settings: ActorSettings) 
                 served.setdefault(sid, set())
         elif "executors" not in kinds:  # `toolbus actor mcp` with nothing to do
             raise ConfigError("no MCP servers to connect to: give --manifest with mcps:")
-    if "planner" in kinds and settings.manifest is not None:  # latent tools run there
+    if settings.manifest is not None:
+        # Served by the planner, wherever it runs (this process or another: a worker of
+        # `toolbus up` checks the manifest without one): the latent tools the manifest
+        # declares, and the context tools.
         _add_served(served, [t.name for t in settings.manifest.tools.latent])
-        _add_served(served, [RECALL, CONTEXT_STATUS])  # the context tools run there too
+        _add_served(served, [RECALL, CONTEXT_STATUS])
     if "executors" in kinds or "mcp" in kinds:
         try:
             check_tool_refs(settings, served, complete="executors" in kinds

@@ -26,11 +26,12 @@ KEY = "crm-test-key"
 
 
 def seed_manifest(path: Path, ns: str, port: int, *reevaluation: str,
-                  policies: str = "") -> Path:
-    """Seed 000's form, with the sample server as `crm` (renamed: the catalog is shared)."""
+                  policies: str = "", head: str = "") -> Path:
+    """Seed 000's form, with the sample server as `crm` (renamed: the catalog is shared),
+    after `head` (toolbus's own sections)."""
     ids = "".join(f"      - id: {i}\n" for i in reevaluation)
     path.write_text(f"""\
-agent_config:
+{head}agent_config:
   mcps:
     - id: {ns}
       hostname: http://127.0.0.1
@@ -95,11 +96,17 @@ async def test_policies_may_name_local_tools_and_an_unknown_one_fails_the_boot(
         bus: Bus, crm: SampleServer, ns: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CRM_MCP_KEY", KEY)
-    policy = (f"  policies:\n    - id: book\n      action: Book the car.\n"
-              f"      tools: [{ns}:reserve_car, built-in:current_time, built-in:emit_output]\n"
+    # Tools served by the planner, not by this worker: a latent tool, the context tools.
+    latent = ("tools:\n  latent:\n    - {name: text:sentiment, description: The mood.,\n"
+              "       parameters: {type: object, properties: {text: {type: string}}},\n"
+              "       output_schema: {type: object, properties: {label: {type: string}}}}\n")
+    policy = ("  model: {provider: openai, model: m, base_url: 'http://127.0.0.1:9/v1'}\n"
+              f"  policies:\n    - id: book\n      action: Book the car.\n"
+              f"      tools: [{ns}:reserve_car, built-in:current_time, built-in:emit_output,\n"
+              f"              text:sentiment, built-in:recall]\n"
               f"      reevaluate_after: [built-in:echo, {ns}:reserve_car]\n")
     good = seed_manifest(tmp_path / "good.yaml", ns, crm.port, f"{ns}:search_cars",
-                         policies=policy)
+                         policies=policy, head=latent)
     settings = ActorSettings(manifest=config.load_manifest(good), manifest_path=good,
                              instance=f"{ns}-x")
     actors = await start_actors(bus, ["executors", "mcp"], settings)
@@ -108,7 +115,7 @@ async def test_policies_may_name_local_tools_and_an_unknown_one_fails_the_boot(
     finally:
         await stop_actors(actors)
     bad = seed_manifest(tmp_path / "bad.yaml", ns, crm.port, f"{ns}:search_cars",
-                        policies=policy.replace("built-in:echo", "built-in:ech0"))
+                        policies=policy.replace("built-in:echo", "built-in:ech0"), head=latent)
     settings = ActorSettings(manifest=config.load_manifest(bad), manifest_path=bad,
                              instance=f"{ns}-y")
     with pytest.raises(ConfigError) as info:
@@ -116,7 +123,7 @@ async def test_policies_may_name_local_tools_and_an_unknown_one_fails_the_boot(
     assert str(info.value) == (
         f"manifest {bad}: agent_config.policies[0].reevaluate_after[0]: built-in:ech0 is not "
         "a tool of namespace built-in (did you mean built-in:echo?), which has "
-        "built-in:current_time, built-in:echo")
+        "built-in:context-status, built-in:current_time, built-in:echo, built-in:recall")
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
