@@ -28,7 +28,7 @@ from bus.subjects import (
     state_subject,
 )
 from bus.tasks import apart
-from schemas.errors import BusError, BusTimeoutError, InvalidRequestError
+from schemas.errors import BusError, BusTimeoutError, ConnectionLostError, InvalidRequestError
 from schemas.events import (
     CallOutcome,
     CallSucceeded,
@@ -388,7 +388,7 @@ class ToolbusClient:
             elif loop.time() - away_since >= GIVE_UP_AWAY_S:
                 # Not the whole --timeout (minutes) in silence: the turn goes on without us
                 # if the server comes back, and its log says how it ended.
-                raise BusTimeoutError(
+                raise ConnectionLostError(
                     f"lost the connection to NATS at {self.bus.url} "
                     f"{GIVE_UP_AWAY_S:g} s ago and could not reconnect; the turn goes on "
                     "once the server is back: `toolbus replay` of the session tells how "

@@ -218,6 +218,11 @@ class BusTimeoutError(BusError, TimeoutError):
     pass
 
 
+class ConnectionLostError(BusTimeoutError):
+    """The connection to NATS was lost while waiting and did not come back in time: what
+    was waited for goes on without the waiter (nothing can be sent to stop it)."""
+
+
 class RpcError(ToolbusError):
     """An error answer to a request: `code` is stable (match on it), `message` is for
     people. Codes: `invalid` (the request is malformed), `not_found`, `conflict` (e.g.

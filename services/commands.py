@@ -32,6 +32,7 @@ try:
     from schemas.errors import (
         BusTimeoutError,
         ConnectError,
+        ConnectionLostError,
         InvalidIdError,
         PermissionDeniedError,
         RpcError,
@@ -896,6 +897,11 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                 # Ctrl-C stops the answer, or else named.
                 await _stop_turn(client, session, turn_id_for(request_id))
                 raise
+            except ConnectionLostError as exc:
+                # Nothing can be sent to stop its turn: said, and chat ends.
+                print(f"\ntoolbus: {exc}", file=sys.stderr, flush=True)
+                code = EXIT_BUS
+                break
             except BusTimeoutError as exc:
                 # Its turn is cancelled, as at Ctrl-C: left running, it would hold the
                 # session's next messages back (one turn at a time) for as long as it
