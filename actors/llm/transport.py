@@ -378,7 +378,15 @@ async def send(client: ModelClient, req: WireRequest, *, key: str | None,
                                               sock_read=timeout_s)) as response:
             if not 200 <= response.status < 300:
                 body = await _read_clipped(response, timeout_s)
-                raise http_error(req.provider, response.status, response.headers, body, key)
+                err = http_error(req.provider, response.status, response.headers, body, key)
+                if response.status in (404, 405):
+                    # Most often no such API there: a base_url or provider that is wrong.
+                    where = clip(redact(req.url, key), 200)
+                    raise ModelError(err.kind, f"{err.message.rstrip('.')}; there is no "
+                                     f"{req.provider} API at {where}: check the model's "
+                                     "base_url and provider", provider=err.provider,
+                                     status=err.status, retryable=err.retryable)
+                raise err
             guard = _KeyGuard(key)
             if req.stream is None or _is_json(response):
                 # Not streamed, or a server that ignores `stream: true` (some OpenAI-

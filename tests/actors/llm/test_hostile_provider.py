@@ -210,6 +210,17 @@ async def test_an_error_body_that_is_not_utf8_and_quotes_the_key_is_a_clean_erro
     assert isinstance(got, ModelError) and got.status == 500 and KEY not in got.message
 
 
+async def test_a_404_names_the_url_posted_to_and_points_at_base_url(
+        server: tuple[RawServer, int]) -> None:
+    # A wrong base_url (or provider): the server's own 404 said nothing of where.
+    raw, port = server
+    raw.reply = body(b"404: Not Found", status=404, ctype="text/plain")
+    got, _ = await ask(port)
+    assert isinstance(got, ModelError) and got.status == 404 and got.kind == "bad_request"
+    assert f"there is no openai API at http://127.0.0.1:{port}/chat/completions: " \
+        "check the model's base_url and provider" in str(got), got
+
+
 async def test_a_reply_over_the_size_limit_is_refused(server: tuple[RawServer, int],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transport, "MAX_REPLY_BYTES", 100_000)
