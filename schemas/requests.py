@@ -95,7 +95,8 @@ def parse_request(
         raise InvalidRequestError(
             "invalid_request",
             f"unknown field(s) {', '.join(unknown)}; a request has request_id, agent, and "
-            "calls or message",
+            "one of calls, message or messages (think steps with a message); a cancel has "
+            "cancel and reason",
         )
     request_id = body.get("request_id")
     if request_id is not None:
@@ -136,7 +137,7 @@ def parse_request(
         return Request(request_id=request_id, calls=[], agent=agent, message=said,
                        history=history, think=think)
     message = body.get("message")
-    if message is not None:
+    if "message" in body:
         if "calls" in body:
             raise InvalidRequestError(
                 "invalid_request", "give calls (explicit tool calls) or message (a turn the "
@@ -151,6 +152,10 @@ def parse_request(
         return Request(request_id=request_id, calls=[], agent=agent, message=message,
                        think=think)
     calls = body.get("calls")
+    if "calls" not in body:
+        raise InvalidRequestError(
+            "invalid_request", "a request needs calls (explicit tool calls), message or "
+            "messages (a turn the model plans)")
     if not isinstance(calls, list):
         raise InvalidRequestError(
             "invalid_request", f"calls must be a list of calls, got {_json_type(calls)}"

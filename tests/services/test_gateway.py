@@ -271,6 +271,9 @@ async def test_a_body_that_can_never_be_a_request_is_a_400_naming_why_and_submit
         web: Web, bus: Bus, sid: str) -> None:
     bad = [([1, 2], "request must be a JSON object, got an array"),
            ({"calls": 3}, "calls must be a list of calls, got a number"),
+           ({}, "a request needs calls (explicit tool calls), message or messages"),
+           ({"request_id": "r1"}, "a request needs calls (explicit tool calls), message"),
+           ({"message": None}, "message must be a non-empty string, got null"),
            ({"message": "  "}, "message must be a non-empty string"),
            ({"request_id": "r", "colls": []}, "unknown field(s) colls")]
     async with web.as_role("client") as c:
