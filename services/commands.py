@@ -68,6 +68,7 @@ try:
         EXIT_CALL_FAILED,
         EXIT_OK,
         EXIT_USAGE,
+        Diagnostics,
         fill_std_fds,
         interrupted,
         say,
@@ -360,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     closed = fill_std_fds()
+    if not isinstance(sys.stderr, Diagnostics):
+        sys.stderr = Diagnostics(sys.stderr)
     args = build_parser().parse_args(argv)
     if "stdout" in closed and args.command not in ("up", "actor"):
         # Refused before anything is done: failing at the first write, as `cat` does,

@@ -91,6 +91,28 @@ def fill_std_fds() -> set[str]:
     return closed
 
 
+class Diagnostics:
+    """Standard error that never stops a command: a line that cannot be written (a full
+    disk, `2>/dev/full`, a closed pipe) is dropped. What a command says there is about
+    the work; the work (a call, a turn, its output on stdout) goes on without it."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._inner.write(text))
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._inner.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._inner, name)
+
+
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 

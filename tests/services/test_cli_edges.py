@@ -485,3 +485,18 @@ sys.exit(run(main()))
     assert "toolbus: still stopping 1 s after SIGTERM; exiting now" in err
     # Where it was stuck: the task's stack, or the main thread's when the loop is blocked.
     assert "wait_for_good" in err, err
+
+
+async def test_an_unwritable_stderr_stops_no_command(client, nats_url: str) -> None:
+    """`2>/dev/full`: what a command says on stderr is dropped, not the work. `toolbus
+    call` sent nothing and exited 1 (its first line to stderr failed)."""
+    sid = f"full-{uuid.uuid4().hex[:8]}"
+    cmd = " ".join(toolbus_cmd("call", "built-in:echo", '\'{"text": "hi"}\'', "--session",
+                               sid, "--nats", f"'{nats_url}'"))
+    out = await asyncio.to_thread(
+        subprocess.run, ["bash", "-c", f"{cmd} 2>/dev/full"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stdout
+    assert '"hi"' in out.stdout
+    state = await client.fold_session(sid)
+    assert [c.status for c in state.calls.values()] == ["succeeded"]
