@@ -502,8 +502,11 @@ def summarize(event: Event) -> str:
         case ModelResponded():
             calls = ", ".join(f"{c.name} ({c.call_id})" for c in event.tool_calls)
             said = f" {_clip(event.text)!r}" if event.text else ""
+            # A composed answer that broke its schema: why, as the model was told.
+            bad = f"; refused, {len(event.violations)} violation(s): " \
+                f"{_clip('; '.join(event.violations))}" if event.violations else ""
             return (f"turn {event.turn_id} iteration {event.iteration}:{said}"
-                    + (f" calls {calls}" if calls else "")
+                    + (f" calls {calls}" if calls else "") + bad
                     + f" [{event.input_tokens}+{event.output_tokens} tokens, "
                     f"{event.latency_ms:.0f} ms]")
         case TurnRequested():

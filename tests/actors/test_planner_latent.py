@@ -141,6 +141,17 @@ async def test_a_composed_answer_that_breaks_the_schema_goes_back_to_the_model(
     told = model.received[1]["messages"][-1]
     assert told["role"] == "user" and "does not match the schema" in told["content"]
     assert "not JSON" in told["content"]
+    # The timeline says why each answer was refused, as the model was told.
+    from bus.eventlog import EventLog
+    from schemas.events import ModelResponded, summarize
+
+    answers = [s.event for s in await EventLog(client.bus).read_session(sid)
+               if isinstance(s.event, ModelResponded)]
+    assert len(answers) == 2 and all(a.violations for a in answers)
+    for answer in answers:
+        line = summarize(answer)
+        assert f"refused, {len(answer.violations)} violation(s): " in line, line
+        assert answer.violations[0][:40] in line
 
 
 async def test_a_composed_answer_is_fixed_after_the_violations_are_sent_back(
