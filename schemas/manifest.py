@@ -531,8 +531,8 @@ class ModelConfig(_Model):
     @field_validator("base_url")
     @classmethod
     def _base_url(cls, v: str | None) -> str | None:
-        v = _http_base_url(v, "go as Basic auth in place of the key; give the key as "
-                              "api_key: ${VAR}")
+        v = _http_base_url(v, "and they would go as Basic auth in place of the key: "
+                              "give the key as api_key: ${VAR}")
         if v and re.search(r"[?#]", v):
             # The API's path goes after it (a query would end up before the path), and a
             # key given as `?key=` would show wherever the URL does.

@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="list")
     p.add_argument("name", nargs="?", default=None)
     p.add_argument("--format", choices=["openai", "anthropic", "gemini", "mcp", "composed"],
-                   default="openai", help="export format (default openai)")
+                   default=None, help="export format (default openai)")
     p.add_argument("--output-schema", type=Path, default=None, metavar="FILE",
                    help="composed: JSON Schema file of the final output")
     p.add_argument("--names", action="store_true",
@@ -565,6 +565,19 @@ def _unused_arguments(args: argparse.Namespace) -> str | None:
     if args.command == "tools" and args.action in ("list", "export") and \
             args.name is not None:
         return f"`tools {args.action}` takes no NAME (got {args.name!r})"
+    if args.command == "tools":
+        given = [flag for flag, on, used in (
+            ("--format", args.format is not None, args.action == "export"),
+            ("--names", args.names, args.action == "export" and args.format != "composed"),
+            ("--output-schema", args.output_schema is not None,
+             args.action == "export" and args.format == "composed"),
+            ("--force", args.force, args.action == "remove")) if on and not used]
+        if given:
+            what = f"tools {args.action}" + (f" --format {args.format}"
+                                             if args.format is not None else "")
+            return (f"`{what}` takes no {', '.join(given)} (--format is for `tools export`, "
+                    "--names for an export to a provider's format, --output-schema for "
+                    "`tools export --format composed`, --force for `tools remove`)")
     if args.command == "actor" and args.kind not in ("mcp", "worker") and args.only:
         return "--only names MCP servers: it is for `toolbus actor mcp` (or worker)"
     return None
@@ -1337,7 +1350,8 @@ def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
     from schemas.providers import compose_schema, export
     from schemas.validation import Validator
 
-    if args.format == "composed":
+    fmt = args.format or "openai"
+    if fmt == "composed":
         output = None
         if args.output_schema is not None:
             try:
@@ -1352,7 +1366,7 @@ def _export(specs: list[ToolSpec], args: argparse.Namespace) -> int:
                 return EXIT_USAGE
         _print_json(compose_schema(specs, output))
         return EXIT_OK
-    doc, names = export(specs, args.format)
+    doc, names = export(specs, fmt)
     if args.names:
         doc = {"tools": doc, "names": {names.encode(s.name): s.name for s in specs}}
     _print_json(doc)

@@ -74,6 +74,12 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     (("tools", "show"), "tools show needs a NAME"),
     # Given and unused: refused, not dropped without a word.
     (("tools", "list", "extra"), "`tools list` takes no NAME (got 'extra')"),
+    (("tools", "list", "--format", "openai"), "`tools list --format openai` takes no --format"),
+    (("tools", "export", "--output-schema", "f.json"), "`tools export` takes no "
+                                                       "--output-schema"),
+    (("tools", "export", "--force"), "`tools export` takes no --force"),
+    (("tools", "export", "--format", "composed", "--names"), "takes no --names"),
+    (("tools", "show", "built-in:echo", "--names"), "`tools show` takes no --names"),
     (("actor", "executor", "--only", "cars"), "--only names MCP servers: it is for"),
     (("approve", "a.b.>"), "invalid call id 'a.b.>'"),
     (("deny", "", "--reason", "no"), "invalid call id ''"),
