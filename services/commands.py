@@ -364,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(sys.stderr, Diagnostics):
         sys.stderr = Diagnostics(sys.stderr)
     args = build_parser().parse_args(argv)
+    if args.command in ("up", "actor") and not isinstance(sys.stdout, Diagnostics):
+        # A server's stdout carries its start-up banner only: a reader gone (`| head -1`)
+        # must not stop it (a BrokenPipeError ended `toolbus up` quietly, with status 0).
+        sys.stdout = Diagnostics(sys.stdout)
     if "stdout" in closed and args.command not in ("up", "actor"):
         # Refused before anything is done: failing at the first write, as `cat` does,
         # would come after the call ran or the turn was paid for.

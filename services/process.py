@@ -92,9 +92,10 @@ def fill_std_fds() -> set[str]:
 
 
 class Diagnostics:
-    """Standard error that never stops a command: a line that cannot be written (a full
-    disk, `2>/dev/full`, a closed pipe) is dropped. What a command says there is about
-    the work; the work (a call, a turn, its output on stdout) goes on without it."""
+    """A standard stream that never stops a command: a line that cannot be written (a
+    full disk, `2>/dev/full`, a closed pipe) is dropped. Standard error, where a command
+    says how the work goes (the work, a call or a turn and its output on stdout, goes on
+    without it), and a server's stdout (its start-up banner)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner

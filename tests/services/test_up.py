@@ -391,3 +391,35 @@ async def test_ctrl_c_ends_toolbus_up_while_a_sync_tool_it_gave_up_on_still_runs
         # hour here: Ctrl-C never ended the process.
         code = up.stop(signal.SIGINT, timeout=30)
     assert code == 0, up.stderr_tail[-2000:]
+
+
+async def test_up_whose_stdout_reader_is_gone_keeps_serving(tmp_path: Path) -> None:
+    """`toolbus up | head -1`: its banner written to a pipe no one reads any more raised
+    BrokenPipeError, which ended `toolbus up` quietly, with status 0 (a new user's pass)."""
+    import subprocess
+
+    from tests.conftest import toolbus_cmd
+
+    data = tmp_path / "data"
+    up = subprocess.Popen(toolbus_cmd("up", "--port", str(free_port()), "--data-dir",  # noqa: ASYNC220 - started once, waited on in a thread
+                                      str(data)),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert up.stdout is not None
+    up.stdout.close()  # the reader is gone before the banner is written
+    try:
+        async with asyncio.timeout(60):
+            while not (data / "auth" / "client.url").exists():
+                assert up.poll() is None, up.communicate()[1]
+                await asyncio.sleep(0.1)
+        out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"a": 1}',
+                                      "--data-dir", str(data))
+        assert out.returncode == 0 and out.stdout == '{"a":1}\n', out.stderr
+        await asyncio.sleep(2)  # well past the banner
+        assert up.poll() is None, up.communicate()[1]
+        out = await asyncio.to_thread(run_toolbus, "call", "built-in:echo", '{"b": 2}',
+                                      "--data-dir", str(data))
+        assert out.returncode == 0 and out.stdout == '{"b":2}\n', out.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(up.communicate, timeout=30)
+    assert up.returncode == 0, err
