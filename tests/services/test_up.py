@@ -401,9 +401,9 @@ async def test_up_whose_stdout_reader_is_gone_keeps_serving(tmp_path: Path) -> N
     from tests.conftest import toolbus_cmd
 
     data = tmp_path / "data"
-    up = subprocess.Popen(toolbus_cmd("up", "--port", str(free_port()), "--data-dir",  # noqa: ASYNC220 - started once, waited on in a thread
-                                      str(data)),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    up = subprocess.Popen(  # noqa: ASYNC220  # spawning does not block
+        toolbus_cmd("up", "--port", str(free_port()), "--data-dir", str(data)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert up.stdout is not None
     up.stdout.close()  # the reader is gone before the banner is written
     try:
