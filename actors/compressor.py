@@ -19,6 +19,7 @@ gets a `result.compressed`, a clipped excerpt, so no turn waits forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from typing import Any, Final
 import msgspec
 
 from actors import compress
-from actors.kernel import Inbox, Kernel, PoisonError, SessionStates
+from actors.kernel import Entry, Inbox, Kernel, PoisonError, SessionStates
 from bus.artifacts import ArtifactStore
 from bus.connection import Bus
 from bus.consumer import Delivery
@@ -159,19 +160,22 @@ class ResultTooLargeError(Exception):
         self.ref = ref
 
 
-async def read_result(artifacts: ArtifactStore, ref: ResultRef, reading: asyncio.Semaphore,
-                      limit: int | None = None) -> Any:
+async def read_result(artifacts: ArtifactStore, ref: ResultRef,
+                      reading: asyncio.Semaphore | None, limit: int | None = None) -> Any:
     """A result from the object store, decoded (`ResultTooLargeError` over `limit`,
-    default `MAX_READ_RESULT_BYTES`), at most as many at once as `reading` lets."""
+    default `MAX_READ_RESULT_BYTES`), at most as many at once as `reading` lets (None:
+    the caller holds it, for as long as it keeps the value)."""
     limit = MAX_READ_RESULT_BYTES if limit is None else limit
     if ref.size > limit:
         raise ResultTooLargeError(ref, limit)
-    async with reading:
+    async with contextlib.AsyncExitStack() as stack:
+        if reading is not None:
+            await stack.enter_async_context(reading)
         return msgspec.json.decode(await artifacts.read(ref))
 
 
 async def whole_result(artifacts: ArtifactStore, call: CallState,
-                       reading: asyncio.Semaphore, limit: int | None = None) -> Any:
+                       reading: asyncio.Semaphore | None, limit: int | None = None) -> Any:
     """The call's whole result: from its event, or read from the object store."""
     if call.result_ref is None:
         return call.result
@@ -244,9 +248,19 @@ class Compressor:
         if call is None or not view_due(entry.state, call, self._compression):
             await delivery.ack()
             return
+        async with contextlib.AsyncExitStack() as stack:
+            if call.result_ref is not None:
+                # Held until its view is stored: a stored result, decoded, is several
+                # times its size, and only so many are held at once.
+                await stack.enter_async_context(self._reading)
+            await self._compress(entry, call)
+        await delivery.ack()
+
+    async def _compress(self, entry: Entry, call: CallState) -> None:
+        call_id = call.call_id
         unread: ResultTooLargeError | None = None
         try:
-            result = await whole_result(self._artifacts, call, self._reading)
+            result = await whole_result(self._artifacts, call, None)
         except ResultTooLargeError as exc:
             result, unread = None, exc
 
@@ -264,7 +278,6 @@ class Compressor:
             if not await self._states.decide_and_write(entry, due, attempts=DECIDE_ATTEMPTS):
                 raise PoisonError("conflicts", f"gave up compressing {call_id} after "
                                   f"{DECIDE_ATTEMPTS} conflicting writes")
-        await delivery.ack()
 
     def _small(self, event: CallSucceeded) -> bool:
         """Whether the call surely needs no preview: its request (tool, agent, no

@@ -15,6 +15,7 @@ of every tool: offered to the model, approved (read-only), dispatched, stored as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -37,7 +38,7 @@ from bus.artifacts import ArtifactStore
 from bus.connection import Bus
 from bus.eventlog import EventLog
 from schemas.events import CallDispatched
-from schemas.state import SessionState
+from schemas.state import CallState, InjectedToolEvent, SessionState
 from schemas.tools import Annotations, ToolSpec
 
 CONTEXT_POOL: Final = "context"
@@ -157,13 +158,25 @@ class ContextExecutor(Executor):
         key = str(arguments.get("key", ""))
         call_id = state.result_keys.get(key)
         injected = next((e for e in state.tool_events if e.event_id == key), None)
+        call = state.calls.get(call_id) if call_id is not None else None
+        stored = injected.result_ref is not None if injected is not None else (
+            call is not None and call.result_ref is not None)
+        async with contextlib.AsyncExitStack() as stack:
+            if stored:
+                # Held until the page is cut: a stored result, decoded, is several times
+                # its size, and only so many are held at once.
+                await stack.enter_async_context(self._reading)
+            return await self._page(d, arguments, state, key, injected, call)
+
+    async def _page(self, d: CallDispatched, arguments: dict[str, Any], state: SessionState,
+                    key: str, injected: InjectedToolEvent | None, call: CallState | None
+                    ) -> Any:
         try:
             if injected is not None:
                 result = injected.result if injected.result_ref is None else \
-                    await read_result(self._artifacts, injected.result_ref, self._reading)
-            elif call_id is not None and call_id in state.calls:
-                result = await whole_result(self._artifacts, state.calls[call_id],
-                                            self._reading)
+                    await read_result(self._artifacts, injected.result_ref, None)
+            elif call is not None:
+                result = await whole_result(self._artifacts, call, None)
             else:
                 result = _UNKNOWN
         except ResultTooLargeError as exc:
