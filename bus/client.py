@@ -42,8 +42,8 @@ from schemas.events import (
     TurnRequested,
 )
 from schemas.ids import check_session_id, client_request_id, tool_event_id, turn_id_for
-from schemas.requests import MAX_REQUEST_ID_CHARS, parse_tool_event
-from schemas.state import SessionState, decode_state, fold
+from schemas.requests import MAX_REQUEST_ID_CHARS, parse_request, parse_tool_event
+from schemas.state import SessionState, TurnState, decode_state, fold
 
 TurnEnd = TurnCompleted | TurnFailed | TurnCancelled | RequestRejected
 # How an injected tool event was taken, with the stream sequence of that event.
@@ -79,6 +79,23 @@ def _turn_of(call_id: str) -> str:
 # stream order, so a result comes before the end of its turn; one handled after that end
 # anyway is read from the log at the sequence the end references.
 _WATCHED = ("call.succeeded", "turn.>", "request.rejected", "tool_event.injected.>")
+
+
+def _same_request(state: SessionState, turn: TurnState, body: bytes, request_id: str) -> None:
+    """Refuse (`InvalidRequestError`) a request sent again under a request id its session
+    stored for another request: its stored end is that other request's, not this one's."""
+    try:
+        sent = parse_request(body, max_bytes=len(body), max_calls=len(body))
+    except InvalidRequestError:
+        return  # refused as it was stored, if it was: the stored refusal says so
+    stored = [state.calls.get(c) for c in turn.call_ids]
+    if sent.message == turn.message and [(c.tool, c.arguments) for c in sent.calls] == [
+            (c.tool, c.arguments) if c is not None else None for c in stored]:
+        return
+    raise InvalidRequestError(
+        "invalid_request", f"request id {request_id} was used in session {state.session_id} "
+        f"for another request (turn {turn.turn_id}): this one was not run; give a request "
+        "id of its own")
 
 
 class _Watcher:
@@ -326,7 +343,9 @@ class ToolbusClient:
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
                     # Sent before: how it ended, or how it was refused, is stored already.
-                    if turn_id in (await self.fold_session(session_id)).turns:
+                    state = await self.fold_session(session_id)
+                    if turn_id in state.turns:
+                        _same_request(state, state.turns[turn_id], body, request_id)
                         found = await self.find_end(session_id, turn_id, full=full)
                         if found is not None:
                             return found
@@ -340,6 +359,10 @@ class ToolbusClient:
                     if ev is not None and not (isinstance(ev, RequestRejected)
                                                and ev.reason == "duplicate_request"):
                         return await self._with_results(ev, watcher.results, full=full)
+                    if ev is not None:  # sent before, without the same message id
+                        state = await self.fold_session(session_id)
+                        if turn_id in state.turns:
+                            _same_request(state, state.turns[turn_id], body, request_id)
                     found = await self.find_end(session_id, turn_id, full=full)
                     if found is not None:
                         return found

@@ -8,11 +8,13 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import EventLog
 from bus.subjects import request_subject
+from schemas.errors import InvalidRequestError
 from schemas.events import CallSucceeded, RequestRejected, TurnCompleted, TurnFailed
 from schemas.ids import SYSTEM_SESSION
 from tests.conftest import EventWatch, assert_replay_equals_live, of_type, settled_state
@@ -174,6 +176,16 @@ async def test_the_same_request_id_published_twice_runs_its_calls_once(
                                    "arguments": {"path": str(target), "line": "once"}}],
                             request_id="order-42", timeout=10)
     assert isinstance(end, TurnCompleted) and end.outcomes[0].result == {"written": "once"}
+    assert target.read_text() == "once\n"
+    # The same request id for another request: refused, not answered with the first's end
+    # (a user reusing a key got the result of a call they did not make).
+    for other in ({"path": str(target), "line": "twice"}, {"path": str(target)}):
+        with pytest.raises(InvalidRequestError, match="request id order-42 was used in "
+                           f"session {sid} for another request"):
+            await client.call(sid, [{"tool": "testing:append_line", "arguments": other}],
+                              request_id="order-42", timeout=10)
+    with pytest.raises(InvalidRequestError, match="for another request"):
+        await client.ask(sid, "Write once.", request_id="order-42", timeout=10)
     assert target.read_text() == "once\n"
     async with EventWatch(bus, sid) as w:
         events = await w.until(lambda evs: len(of_type(evs, "call.succeeded")) >= 1)
