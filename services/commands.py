@@ -1421,11 +1421,11 @@ async def _approvals(url: str, args: argparse.Namespace) -> int:
         print("no calls are waiting for approval", file=sys.stderr)
         return EXIT_OK
     for p in pending:
-        # The model wrote the arguments: without the characters that would reorder or hide
-        # what the approver reads (JSON escapes control characters, not bidi overrides).
-        # Whole, up to a bound: a cut the approver cannot see hides what a padded call
-        # does past it.
-        args_text = _printable(_json.encode(p.arguments).decode())
+        # The model wrote the arguments: the characters that would reorder or hide what
+        # the approver reads shown as their escapes (JSON escapes C0 only), not dropped:
+        # what is approved is what runs. Whole, up to a bound: a cut the approver cannot
+        # see hides what a padded call does past it.
+        args_text = _terminal_json(_json.encode(p.arguments))
         if len(args_text) > _APPROVAL_ARGUMENTS_SHOWN:
             args_text = (f"{args_text[:_APPROVAL_ARGUMENTS_SHOWN]}… "
                          f"({len(args_text) - _APPROVAL_ARGUMENTS_SHOWN} more characters not "

@@ -242,7 +242,9 @@ async def test_the_cli_approves_from_another_process(bus, client, sid, nats_url)
                                      wait_end=False)
     listed = await asyncio.to_thread(run_toolbus, "approvals", "--nats", nats_url)
     assert decision.call_id in listed.stdout and "approvals:write" in listed.stdout
-    assert "cli.txtgnp.exe" in listed.stdout and "\u202e" not in listed.stdout
+    # Shown as its escape, as it is sent to the tool: neither acting on the terminal nor
+    # dropped (which would show an approver another name than the one written).
+    assert "cli.txt\\u202egnp.exe" in listed.stdout and "\u202e" not in listed.stdout
     ok = await asyncio.to_thread(run_toolbus, "approve", decision.call_id, "--session", sid,
                                  "--by", "carol", "--nats", nats_url)
     assert ok.returncode == 0, ok.stderr
