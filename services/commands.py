@@ -115,7 +115,7 @@ def _add_actor_options(p: argparse.ArgumentParser) -> None:
                    help="YAML manifest declaring the tools to serve (see deploy/examples/)")
     p.add_argument("--tools", action="append", default=[], metavar="MODULE",
                    help="load tools from a module name or .py file (repeatable)")
-    p.add_argument("--pool", default="default", help="executor pool name (default: default)")
+    p.add_argument("--pool", default=None, help="executor pool name (default: default)")
     p.add_argument("--instance", default=None,
                    help="executor instance name (default: host-pid-pool; with several "
                         "pools, NAME-pool; the MCP connector beside them, NAME-mcp)")
@@ -582,6 +582,12 @@ def _unused_arguments(args: argparse.Namespace) -> str | None:
             return (f"`{what}` takes no {', '.join(given)} (--format is for `tools export`, "
                     "--names for an export to a provider's format, --output-schema for "
                     "`tools export --format composed`, --force for `tools remove`)")
+    if args.command == "actor" and args.kind not in ("executor", "worker"):
+        given = [flag for flag, on in (("--tools", args.tools),
+                                       ("--pool", args.pool is not None)) if on]
+        if given:
+            return (f"`actor {args.kind}` takes no {', '.join(given)}: tool modules and "
+                    "their pool are for `actor executor` and `actor worker` (and `up`)")
     if args.command == "actor" and args.kind not in ("mcp", "worker") and args.only:
         return "--only names MCP servers: it is for `toolbus actor mcp` (or worker)"
     return None
@@ -602,7 +608,7 @@ def _actor_settings(args: argparse.Namespace) -> ActorSettings:
     """The settings of `up` and `actor`; the manifest is read here, once per process."""
     manifest = load_manifest(args.manifest) if args.manifest is not None else None
     return ActorSettings(tools=tuple(args.tools), manifest=manifest,
-                         manifest_path=args.manifest, pool=args.pool,
+                         manifest_path=args.manifest, pool=args.pool or "default",
                          only=tuple(getattr(args, "only", ())),
                          http_port=getattr(args, "http_port", None),
                          instance=args.instance,
