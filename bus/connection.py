@@ -301,6 +301,11 @@ def _unusable(url: str) -> str | None:
         return "unparsable"
     if not parts.hostname:
         return "no host"
+    if any(c.isspace() for c in parts.hostname):
+        return "a space in its host"
+    if parts.path not in ("", "/") and parts.scheme.lower() in ("nats", "tls"):
+        # `nats//host:4222`, read as the host `nats` (a websocket URL may have a path)
+        return "a path after the host (a NATS URL has none)"
     if port == 0:
         return "port 0"
     return None

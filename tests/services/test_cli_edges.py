@@ -95,6 +95,9 @@ def _one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
     # A URL nats-py cannot use is not a server that cannot be reached.
     (("state", "demo", "--nats", "http://x"),
      "invalid NATS URL 'http://x': 'http' is not a NATS scheme"),
+    (("state", "demo", "--nats", "not a url"), "invalid NATS URL 'not a url': a space"),
+    (("state", "demo", "--nats", "nats//127.0.0.1:4222"),
+     "invalid NATS URL 'nats//127.0.0.1:4222': a path after the host"),
     (("state", "demo", "--nats", "nats://u:secret@127.0.0.1:99999"),
      "invalid NATS URL 'nats://***@127.0.0.1:99999': port out of range"),
     # A password with a / in it: unparsable, and not a piece of it printed.
