@@ -496,12 +496,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"toolbus: the data dir {named} holds no {_role(args)} credentials: "
                   "`toolbus up` has not run with it (a typo?); give the --data-dir of the "
                   "running `toolbus up`, or --nats URL", file=sys.stderr)
-        if isinstance(exc, PermissionDeniedError) and getattr(args, "nats", None) and \
-                _role(args) != "client":
+        url_from = "--nats" if getattr(args, "nats", None) else \
+            "NATS_URL" if os.environ.get("NATS_URL") else None
+        if isinstance(exc, PermissionDeniedError) and url_from and _role(args) != "client":
             # The URL given is another role's: say which one this command takes.
             print(f"toolbus: `toolbus {args.command}` takes the {_role(args)} role (or "
-                  f"admin): leave --nats out and give the --data-dir of the `toolbus up` "
-                  f"(it reads <data-dir>/auth/{_role(args)}.url), or --nats with that "
+                  f"admin): leave {url_from} out and give the --data-dir of the `toolbus up` "
+                  f"(it reads <data-dir>/auth/{_role(args)}.url), or {url_from} with that "
                   "role's URL", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_BUS
     except UnicodeEncodeError:

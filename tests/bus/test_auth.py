@@ -241,6 +241,11 @@ async def test_toolbus_up_enforces_the_roles(tmp_path: Path) -> None:
         assert out.returncode == 3, out.stderr
         assert "`toolbus approve` takes the approver role (or admin)" in out.stderr
         assert "Traceback" not in out.stderr and "bus/auth.py" not in out.stderr
+        # The same URL in NATS_URL, as deploy/nats/README exports the client's.
+        out = await asyncio.to_thread(run_toolbus, "approvals", NATS_URL=urls["client"])
+        assert out.returncode == 3, out.stderr
+        assert "`toolbus approvals` takes the approver role (or admin): leave NATS_URL " \
+            "out" in out.stderr
     finally:
         assert up.stop(signal.SIGINT) == 0
     # The credentials are reused at the next start.
