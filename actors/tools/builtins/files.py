@@ -155,6 +155,17 @@ def file_tools(cfg: FilesConfig) -> list[LocalTool]:
             offset: the byte to start at: 0, or a previous result's next_offset.
             max_chars: how many characters at most (capped by the tool's max_read_chars).
         """
+        if offset < 0:
+            raise ToolError(f"offset must be 0 or a previous result's next_offset, got "
+                            f"{offset}", error_type="invalid_arguments")
+        if max_chars is not None and max_chars < 1:
+            # 0 read the whole budget, and a negative one nothing, forever (next_offset 0).
+            raise ToolError(f"max_chars must be 1 or more (or left out: "
+                            f"{cfg.max_read_chars}), got {max_chars}",
+                            error_type="invalid_arguments")
+        if path.endswith(("/", "/.")):
+            raise ToolError(f"{path[:200]!r} ends with / (a directory's path): give a file's",
+                            error_type="not_a_file")
         real = confine(root, path)
         limit = min(max_chars or cfg.max_read_chars, cfg.max_read_chars)
         # O_NONBLOCK: a FIFO planted at the path must not hang the open.

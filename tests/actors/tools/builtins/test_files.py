@@ -43,6 +43,22 @@ async def test_file_read_and_write_stay_inside_the_root(root: Path) -> None:
     assert (root / "out" / "new.md").read_text() == "xy"
 
 
+@pytest.mark.parametrize("args, why, kind", [
+    ({"offset": -100}, "offset must be 0 or a previous result's next_offset", "invalid"),
+    # -1 read nothing with next_offset 0 (a pager never moved); 0 read the whole budget.
+    ({"max_chars": -1}, "max_chars must be 1 or more", "invalid"),
+    ({"max_chars": 0}, "max_chars must be 1 or more", "invalid"),
+    ({"path": "notes/a.txt/"}, "ends with /", "not_a_file"),
+    ({"path": "notes/a.txt/."}, "ends with /", "not_a_file"),
+])
+async def test_file_read_refuses_arguments_a_pager_could_not_use(
+        root: Path, args: dict[str, object], why: str, kind: str) -> None:
+    read, _ = file_tools(FilesConfig(root=str(root)))
+    with pytest.raises(ToolError, match=why) as err:
+        await run_tool(read, {"path": "notes/a.txt", **args})
+    assert err.value.error_type == ("invalid_arguments" if kind == "invalid" else kind)
+
+
 @pytest.mark.parametrize("path, why", [
     ("../secret.txt", "contains '..'"),
     ("notes/../../secret.txt", "contains '..'"),
