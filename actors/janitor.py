@@ -68,7 +68,8 @@ def fail_orphan(d: CallDispatched, call: CallState | None, backlog: Backlog, *,
     else:
         message = (f"no live executor serves pool {backlog.pool} (namespace "
                    f"{backlog.namespace}): {what}; start one (`toolbus actor executor "
-                   f"--pool {backlog.pool}`), or call it again in another pool")
+                   f"--pool {backlog.pool}` with the --manifest or --tools that put "
+                   f"{d.tool} in it), or call it again in another pool")
     return CallFailed(session_id=d.session_id, at=now, actor=ACTOR, call_id=d.call_id,
                       turn_id=d.turn_id, error_type=kind,
                       retryable=kind == "instance_unavailable", message=message)
