@@ -1250,8 +1250,11 @@ async def _follow(url: str, sid: str, *, as_json: bool) -> int:
             print(f"session {sid}: following its events (Ctrl-C to stop)", file=sys.stderr)
             out.write(_TIMELINE_HEAD)
             out.flush()
-        async with SessionFeed(bus, sid) as feed:
+        async with SessionFeed(bus, sid, quiet_s=_FOLLOW_QUIET_S) as feed:
             async for item in feed.items():
+                if item is None and _stdout_reader_gone():
+                    # `| head -1` on a quiet session: nothing is written to fail.
+                    raise BrokenPipeError
                 if item is None or item.seq is None:
                     continue  # quiet, or a text delta: only what is stored is replayed
                 stored = decode_stored(item.seq, item.subject, item.data)
@@ -1260,6 +1263,24 @@ async def _follow(url: str, sid: str, *, as_json: bool) -> int:
     finally:
         await bus.close()
     return EXIT_OK
+
+
+# How often `replay --follow` of a quiet session looks whether its reader is still there.
+_FOLLOW_QUIET_S = 1.0
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says so without a
+    write: a quiet follow writes nothing that would fail)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 async def _references(bus: Bus, state: SessionState, *, full: bool) -> None:

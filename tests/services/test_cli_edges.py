@@ -180,6 +180,19 @@ async def test_replay_into_a_closed_pipe_ends_quietly(client, nats_url: str) -> 
     assert out.returncode == 0
 
 
+async def test_replay_follow_of_a_quiet_session_ends_when_its_reader_goes(
+        client, nats_url: str) -> None:
+    # `toolbus replay SID --follow --json | head -1` on a session with nothing yet: it
+    # waited for an event to write (and fail) before it noticed.
+    sid = f"quiet-{uuid.uuid4().hex[:8]}"
+    cmd = " ".join(toolbus_cmd("replay", sid, "--follow", "--json", "--nats",
+                               f"'{nats_url}'"))
+    out = await asyncio.to_thread(
+        subprocess.run, ["bash", "-o", "pipefail", "-c", f"{cmd} | true"],
+        capture_output=True, text=True, timeout=20, cwd=REPO)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
 async def test_replay_until_before_the_sessions_first_event_says_so(client,
                                                                      nats_url: str) -> None:
     for sid in (f"before-{uuid.uuid4().hex[:8]}", f"until-{uuid.uuid4().hex[:8]}"):
