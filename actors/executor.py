@@ -225,9 +225,13 @@ class Executor:
     async def stop(self, grace: float = 10.0) -> None:
         await stop_task(self._heartbeat)
         await self._kernel.stop(grace)
-        # Only now: while it drains, the instance still runs the calls it holds.
-        with contextlib.suppress(Exception):  # best effort: the entry expires anyway
-            await self._catalog.retire(self.instance)
+        # Only now: while it drains, the instance still runs the calls it holds. Best
+        # effort, and bounded: the entry expires anyway, and a server gone away (the
+        # embedded one killed) must not hold the exit for a request timeout per executor,
+        # the data dir staying locked meanwhile for the `toolbus up` that would resume.
+        if self._bus.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._catalog.retire(self.instance), _RETIRE_S)
         if _RUNNING.get(self.instance) is self:
             del _RUNNING[self.instance]
         await self._resources.__aexit__(None, None, None)
@@ -484,6 +488,10 @@ class Executor:
         return CallSucceeded(session_id=d.session_id, at=self._clock(), actor="executor",
                              call_id=d.call_id, turn_id=d.turn_id, result=result,
                              executor=self.instance, duration_ms=_ms(t0), result_ref=ref)
+
+
+# How long a stopping executor tries to remove its presence entry.
+_RETIRE_S = 2.0
 
 
 class _KeepAlive:

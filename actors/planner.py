@@ -573,13 +573,13 @@ AGENT_BUDGET_RULE = "planner:agent_calls"
 
 def _agent_calls(state: SessionState, turn: TurnState) -> int:
     """The agent calls of `turn` requested so far and not refused (for the budget, their
-    arguments, a policy or a human): the budget is the child turns that ran, and a call
-    refused for its arguments goes back to the model to be made again."""
+    arguments, a policy) nor denied by a human: the budget is the child turns that ran,
+    and a call refused for its arguments goes back to the model to be made again."""
     n = 0
     for call_id in turn.call_ids:
         call = state.calls.get(call_id)
         if call is not None and call.tool.startswith(f"{AGENT_TOOL_NAMESPACE}:") and \
-                call.status != "rejected":
+                call.status != "rejected" and call.human_decision != "denied":
             n += 1
     return n
 

@@ -601,3 +601,6 @@ def test_an_agent_call_refused_for_its_arguments_leaves_the_budget_for_its_retry
                               rule="schema", message="$.message: required"))
             assert _agent_calls(state, state.turns["t"]) == 0
     assert _agent_calls(state, state.turns["t"]) == 1  # the one that runs
+    # Denied by a human (it ends `failed`, never dispatched): no child turn ran either.
+    state.calls[call_id_for("t", 2)].human_decision = "denied"
+    assert _agent_calls(state, state.turns["t"]) == 0

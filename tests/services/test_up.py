@@ -423,3 +423,44 @@ async def test_up_whose_stdout_reader_is_gone_keeps_serving(tmp_path: Path) -> N
         up.send_signal(signal.SIGTERM)
         _, err = await asyncio.to_thread(up.communicate, timeout=30)
     assert up.returncode == 0, err
+
+
+async def test_toolbus_up_exits_at_once_when_its_embedded_server_is_killed(
+    tmp_path: Path,
+) -> None:
+    """Its message says to run `toolbus up` again to resume, and the data dir stays locked
+    until it has exited: each executor stopping (the worker's, and the planner's for the
+    context tools and the agents) waited out a request to a server that was gone, 5 s
+    each, 15 s in all before the advised restart could start."""
+    port = free_port()
+    data = tmp_path / "data"
+    manifest = tmp_path / "agents.yaml"
+    manifest.write_text(
+        "version: 1\n"
+        "agent_config:\n"
+        "  model: {provider: openai, model: m, base_url: 'http://127.0.0.1:9/v1',\n"
+        "          api_key: '${NO_KEY:-}'}\n"
+        "  agents:\n"
+        "    writer: {instructions: You write.}\n")
+    up = Proc("up", "--port", str(port), "--data-dir", str(data), "--workers", "2",
+              "--manifest", str(manifest), ready="stop:")
+    try:
+        banner = await up.wait_ready()
+        server_pid = int(re.search(r"nats-server \(pid (\d+)\)", banner).group(1))  # type: ignore[union-attr]
+        os.kill(server_pid, signal.SIGKILL)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await asyncio.to_thread(up.proc.wait, 30) == 1
+        took = loop.time() - t0
+        assert "embedded nats-server exited" in up.stderr_after_exit()
+        # 15 s before (5 s per executor); about 5 s now: a bound far from both, on a busy machine.
+        assert took < 12.0, f"toolbus up took {took:.1f} s to exit after its server died"
+    finally:
+        up.stop()
+    # What it says to do works at once.
+    again = Proc("up", "--port", str(port), "--data-dir", str(data), "--workers", "1",
+                 ready="stop:")
+    try:
+        await again.wait_ready()
+    finally:
+        assert again.stop(signal.SIGINT) == 0
