@@ -353,8 +353,10 @@ class Executor:
             if call is not None and call.attempts > 0 and not tool.spec.rerunnable:
                 await self._append(self._failed(
                     d, "interrupted",
-                    f"the executor running {d.tool} stopped before it finished; the tool is "
-                    "neither read-only nor idempotent, so it is not run again",
+                    f"the executor running {d.tool} stopped answering before it finished (it "
+                    "died, or was paused past its ack wait: what the tool did, in part or "
+                    "whole, may stand); the tool is neither read-only nor idempotent, so it "
+                    "is not run again",
                 ), terminal_id)
                 return True
 

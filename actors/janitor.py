@@ -56,7 +56,8 @@ def fail_orphan(d: CallDispatched, call: CallState | None, backlog: Backlog, *,
         return None
     if started and not rerunnable:
         kind = "interrupted"
-        what = (f"{d.tool} stopped while running; it is neither read-only nor idempotent, "
+        what = (f"{d.tool} stopped while running (what it did, in part or whole, may "
+                f"stand); it is neither read-only nor idempotent, "
                 "so it is not run again")
     else:
         kind = "instance_unavailable"
