@@ -88,9 +88,18 @@ def _same_request(state: SessionState, turn: TurnState, body: bytes, request_id:
         sent = parse_request(body, max_bytes=len(body), max_calls=len(body))
     except InvalidRequestError:
         return  # refused as it was stored, if it was: the stored refusal says so
-    stored = [state.calls.get(c) for c in turn.call_ids]
-    if sent.message == turn.message and [(c.tool, c.arguments) for c in sent.calls] == [
-            (c.tool, c.arguments) if c is not None else None for c in stored]:
+    if sent.message is not None or turn.message is not None:
+        # A turn the model plans: the calls in it are the model's, joined to it as it made
+        # them, not the request's.
+        same = sent.message == turn.message and sent.history == turn.history
+    else:
+        # Explicit calls, in the order sent; one not stored yet (a crash between the turn
+        # and its calls, restored by the session actor) is not told apart.
+        stored = [state.calls.get(c) for c in turn.call_ids]
+        same = len(stored) == len(sent.calls) and all(
+            c is None or (c.tool, c.arguments) == (s.tool, s.arguments)
+            for s, c in zip(sent.calls, stored, strict=True))
+    if same:
         return
     raise InvalidRequestError(
         "invalid_request", f"request id {request_id} was used in session {state.session_id} "

@@ -604,3 +604,39 @@ def test_an_agent_call_refused_for_its_arguments_leaves_the_budget_for_its_retry
     # Denied by a human (it ends `failed`, never dispatched): no child turn ran either.
     state.calls[call_id_for("t", 2)].human_decision = "denied"
     assert _agent_calls(state, state.turns["t"]) == 0
+
+
+async def test_a_request_sent_again_after_its_model_made_calls_gets_the_turns_end(
+        client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str) -> None:
+    # The model's calls join the turn (schemas/state.py): they are not another request's.
+    # Sent again (a retry, `toolbus chat`'s resend, an agent call re-attaching to its
+    # child turn), it was refused as "used for another request".
+    request_id = uuid.uuid4().hex
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Say hi."})])),
+        (200, reply("hi")),
+        (200, reply("The writer said hi.")),
+    ]
+    end = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
+    assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
+    again = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
+    assert isinstance(again, TurnCompleted) and again.turn_id == end.turn_id
+    assert again.text == end.text
+    from schemas.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="for another request"):
+        await client.ask(sid, "Have bye said.", request_id=request_id, timeout=60)
+
+
+async def test_an_agent_call_run_again_reattaches_to_a_child_turn_that_made_calls(
+        bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat,
+        sid: str) -> None:
+    # A redelivered agent call asks its child session again under the same request id
+    # (actors/agent_tools.py): the child's own calls were taken for another request's.
+    from actors.agent_tools import child_request_id
+    from schemas.errors import BusTimeoutError
+
+    async with _child_waiting_for_a_human(bus, client, model, sid) as (request_id, child):
+        call_id, _ = _child_of(sid, request_id)
+        with pytest.raises(BusTimeoutError, match="was accepted but had not ended"):
+            await client.ask(child, "Write hi.", agent="writer",
+                             request_id=child_request_id(sid, call_id), timeout=2)
