@@ -65,6 +65,19 @@ def _child_of(sid: str, request_id: str, index: int = 0) -> tuple[str, str]:
     return call_id, child_session_id(sid, call_id, "writer")
 
 
+async def _hi_said(client: ToolbusClient, model: ScriptedChat, sid: str,
+                   request_id: str) -> TurnCompleted:
+    """A turn whose model has the writer say hi (an agent call), ended."""
+    model.script = [
+        (200, reply(calls=[("p1", "agent__writer", {"message": "Say hi."})])),
+        (200, reply("hi")),
+        (200, reply("The writer said hi.")),
+    ]
+    end = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
+    assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
+    return end
+
+
 async def test_an_agent_calls_another_agent_as_a_tool_in_a_child_session(
         bus: Bus, client: ToolbusClient, planner: Any, model: ScriptedChat, sid: str,
         nats_url: str) -> None:
@@ -197,13 +210,7 @@ async def test_a_redelivered_agent_call_reattaches_to_the_same_child_turn(
 
     request_id = uuid.uuid4().hex
     _, child = _child_of(sid, request_id)
-    model.script = [
-        (200, reply(calls=[("p1", "agent__writer", {"message": "Say hi."})])),
-        (200, reply("hi")),
-        (200, reply("The writer said hi.")),
-    ]
-    end = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
-    assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
+    await _hi_said(client, model, sid, request_id)
     asked = len(model.received)
     # What an executor that died mid-call would do on the redelivery: run it again.
     (dispatched,) = [s.event for s in await EventLog(bus).read_session(sid)
@@ -612,13 +619,7 @@ async def test_a_request_sent_again_after_its_model_made_calls_gets_the_turns_en
     # Sent again (a retry, `toolbus chat`'s resend, an agent call re-attaching to its
     # child turn), it was refused as "used for another request".
     request_id = uuid.uuid4().hex
-    model.script = [
-        (200, reply(calls=[("p1", "agent__writer", {"message": "Say hi."})])),
-        (200, reply("hi")),
-        (200, reply("The writer said hi.")),
-    ]
-    end = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
-    assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
+    end = await _hi_said(client, model, sid, request_id)
     again = await client.ask(sid, "Have hi said.", request_id=request_id, timeout=60)
     assert isinstance(again, TurnCompleted) and again.turn_id == end.turn_id
     assert again.text == end.text
