@@ -99,7 +99,9 @@ def _same_request(state: SessionState, turn: TurnState, body: bytes, request_id:
         same = len(stored) == len(sent.calls) and all(
             c is None or (c.tool, c.arguments) == (s.tool, s.arguments)
             for s, c in zip(sent.calls, stored, strict=True))
-    if same:
+    # An agent named differently is another request; none named is the same (the
+    # session gave the turn its default one).
+    if same and (sent.agent is None or sent.agent == turn.agent):
         return
     raise InvalidRequestError(
         "invalid_request", f"request id {request_id} was used in session {state.session_id} "
@@ -297,6 +299,15 @@ class ToolbusClient:
             for key, fut in futures.items():
                 if watcher.waiting.get(key) is fut:
                     del watcher.waiting[key]
+
+    async def check_resent(self, session_id: str, body: bytes, request_id: str) -> None:
+        """For a request the requests stream took as sent before (its `Submitted` says
+        `duplicate`): `InvalidRequestError` if the turn stored under its request id is
+        another request's (the end it would be answered with is not its own)."""
+        state = await self.fold_session(session_id)
+        turn = state.turns.get(turn_id_for(request_id))
+        if turn is not None:
+            _same_request(state, turn, body, request_id)
 
     async def ask(self, session_id: str, message: str, *, request_id: str | None = None,
                   agent: str | None = None, timeout: float = 120.0) -> TurnEnd:

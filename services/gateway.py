@@ -466,7 +466,8 @@ def _json(schema: dict[str, Any], description: str, **extra: Any) -> dict[str, A
 def _failures(*statuses: int) -> dict[int | str, dict[str, Any]]:
     what = {400: "a bad id, Host or body", 401: "no valid bearer token",
             403: "a web page's Origin, or a role without the right",
-            404: "not found", 409: "already decided, or refused by the session",
+            404: "not found", 409: "already decided, refused by the session, or a "
+                                    "request id used for another request",
             413: "body too large",
             415: "not JSON", 503: "the bus did not answer"}
     return {s: {"model": Failure, "description": what[s]} for s in (400, 401, *statuses)}
@@ -637,6 +638,8 @@ class _Streams:
         except BaseException as exc:
             self._closed(stream)
             await stream.close()
+            if isinstance(exc, InvalidRequestError):
+                return _reused(exc)
             if isinstance(exc, ToolbusError):
                 return _error(503, str(exc))
             raise
@@ -645,6 +648,12 @@ class _Streams:
     def _closed(self, stream: SessionFeed) -> None:
         self.open_now -= 1
         self._streams.discard(stream)
+
+
+def _reused(exc: InvalidRequestError) -> Response:
+    """409: the request id was used in the session for another request."""
+    return JSONResponse({"ok": False, "error": exc.message, "code": "request_id_reused"},
+                        status_code=409)
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -738,7 +747,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                   "type": "string"}}}, "description": "with ?stream=1: the turn's events "
                   "as server-sent events (as GET /sessions/{sid}/events?turn=), the first "
                   "`request.accepted`, the last the turn's end"},
-                  **_failures(403, 413, 415, 503)})
+                  **_failures(403, 409, 413, 415, 503)})
     async def submit(sid: Sid, request: Request, role: AnyRole, stream: Annotated[
             str | None, Query(description="1 or true: answer with the turn's events as "
                               "server-sent events (as GET /sessions/{sid}/events?turn=), "
@@ -781,6 +790,10 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         if not streamed:
             try:
                 sub = await client.submit(sid, body, request_id=request_id)
+                if sub.duplicate:
+                    await client.check_resent(sid, body, request_id)
+            except InvalidRequestError as exc:  # its request id is another request's
+                return _reused(exc)
             except ToolbusError as exc:
                 return _error(503, str(exc))
             return JSONResponse({"ok": True, "request_id": request_id,
@@ -797,6 +810,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
         async def submitted(watch: SessionFeed) -> bytes:
             sub = await client.submit(sid, body, request_id=request_id)
             if sub.duplicate:
+                await client.check_resent(sid, body, request_id)  # not another request
                 watch.restart(0)  # sent before: its turn is in the log, read from the start
             return frame("request.accepted", msgspec.json.encode({
                 "ok": True, "request_id": request_id, "turn_id": sub.turn_id,

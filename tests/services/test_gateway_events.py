@@ -187,6 +187,16 @@ async def test_a_request_streamed_again_is_answered_from_the_log(
     assert [(e.event, e.id) for e in again[1:]] == \
         [(e.event, e.id) for e in first[1:] if e.id is not None]
     assert len(fake.requests) == 2, "the same turn, not a second one"
+    # The same request id for another request: refused, streamed or not, not answered
+    # with the turn of the first (it streamed that turn as this request's).
+    other = {**body, "message": "Something else."}
+    async with _web(tokens) as web, asyncio.timeout(30):
+        for query in ("?stream=1", ""):
+            refused = await web.post(f"/sessions/{sid}/requests{query}", json=other)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["code"] == "request_id_reused"
+            assert "was used in session" in refused.json()["error"]
+    assert len(fake.requests) == 2
 
 
 async def test_a_quiet_stream_sends_keep_alive_comments(
