@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
+import re
 import signal
 import sys
 from collections import deque
@@ -89,6 +91,10 @@ class _ReaderGoneMidStream(logging.Filter):
 logging.getLogger("mcp.client.streamable_http").addFilter(_ReaderGoneMidStream())
 
 _CONNECTION_CLOSED = -32000
+# The SDK's own errors for a request whose connection closed, or whose SSE stream ended
+# or failed. Servers send -32000 too (the first of JSON-RPC's implementation-defined
+# server errors, a common "something went wrong"): that is an answer, not a drop.
+_SDK_DROP_MESSAGES = ("Connection closed", "SSE stream ")
 _REQUEST_TIMEOUT = -32001
 _MAX_PAGES = 1000
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
@@ -98,6 +104,11 @@ _STOP_WAIT_S = 5.0  # for a session's teardown (a stdio server's takes at most ~
 _STDIO_EXIT_GRACE_S = 1.0
 _STDIO_KILL_AFTER_S = 1.0
 _STDERR_TAIL_LINES, _STDERR_SHOWN_LINES, _STDERR_LINE_CHARS = 20, 5, 240
+# The largest message a server may send (a stdio line, an HTTP JSON body): past it the
+# server is refused rather than buffered until memory runs out. A stderr line is cut.
+MAX_MESSAGE_BYTES = 64 << 20
+_STDERR_LINE_BYTES = 64 << 10
+_REDACTED = "[redacted]"
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     httpx2.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
     anyio.EndOfStream, ConnectionError, EOFError,
@@ -113,6 +124,10 @@ class McpUnavailableError(ConnectError):
         self.detail = detail
         ToolbusError.__init__(self, f"MCP server {server} is unreachable: tried {tried}: "
                                     f"{detail}. Start it, or fix mcps[{server}] in the manifest")
+
+
+class _TooLarge(Exception):
+    """A server's message, or stderr line, went past its limit."""
 
 
 class _ConnectionLost(Exception):
@@ -155,7 +170,7 @@ class _Session:
 
 def _is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, MCPError):
-        return exc.code == _CONNECTION_CLOSED
+        return exc.code == _CONNECTION_CLOSED and exc.message.startswith(_SDK_DROP_MESSAGES)
     if isinstance(exc, BaseExceptionGroup):
         return any(_is_connection_error(e) for e in exc.exceptions)
     return isinstance(exc, _TRANSPORT_ERRORS)
@@ -191,11 +206,38 @@ class _WatchedTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         try:
-            return await self._inner.handle_async_request(request)
+            response = await self._inner.handle_async_request(request)
         except httpx2.ConnectError:
             if request.method == "POST":
                 self._link._not_run(self._session, "the server could not be reached")
             raise
+        # An SSE stream is bounded per event by the SDK; any other body is read whole.
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            response.stream = _BoundedStream(response.stream, self._link.cfg.id)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _BoundedStream(httpx2.AsyncByteStream):
+    """A response body that fails past `MAX_MESSAGE_BYTES`: the SDK reads a JSON answer
+    whole, so a server streaming one without end would otherwise take all the memory.
+    The SDK turns the `StreamError` into an error answer for that request alone."""
+
+    def __init__(self, inner: Any, server: str) -> None:
+        self._inner = inner
+        self._server = server
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in self._inner:
+            size += len(chunk)
+            if size > MAX_MESSAGE_BYTES:
+                raise httpx2.StreamError(
+                    f"MCP server {self._server} sent an answer over "
+                    f"{MAX_MESSAGE_BYTES >> 20} MiB; it was not read further")
+            yield chunk
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -302,7 +344,7 @@ class _StdioServer:
     async def _read_stdout(self, proc: asyncio.subprocess.Process, out: _Inbound) -> None:
         assert proc.stdout is not None
         try:
-            async for line in _lines(proc.stdout):
+            async for line in _lines(proc.stdout, MAX_MESSAGE_BYTES):
                 if not line.strip():
                     continue
                 try:
@@ -316,6 +358,14 @@ class _StdioServer:
             self._eof = True
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return  # the session is gone
+        except _TooLarge:
+            # The stream cannot be resynchronised: end the session (the process is
+            # stopped with it, and started again).
+            log.warning("MCP server %s wrote a message over %d MiB on stdout; ending its "
+                        "session", self.cfg.id, MAX_MESSAGE_BYTES >> 20)
+            out.close()
+            self._on_exit()
+            return
         finally:
             out.close()  # the session sees the end of the connection
         # stdout ended: the process is exiting (or closed it, which ends the session too).
@@ -339,7 +389,7 @@ class _StdioServer:
 
     async def _read_stderr(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
-        async for raw in _lines(proc.stderr):
+        async for raw in _lines(proc.stderr, _STDERR_LINE_BYTES, cut=True):
             line = raw.decode(errors="replace").rstrip("\r")
             self.stderr_tail.append(line[:_STDERR_LINE_CHARS])
             with contextlib.suppress(OSError, ValueError):  # our own stderr is gone
@@ -347,18 +397,32 @@ class _StdioServer:
                 sys.stderr.flush()
 
 
-async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """Lines of any length (`readline` stops at the reader's limit, 64 KiB)."""
+async def _lines(stream: asyncio.StreamReader, limit: int, *,
+                 cut: bool = False) -> AsyncIterator[bytes]:
+    """Lines of up to `limit` bytes (`readline` stops at the reader's limit, 64 KiB). A
+    longer one raises `_TooLarge`, or with `cut` is cut there (the rest of it skipped):
+    a line that never ends is never held whole."""
     pending: list[bytes] = []
+    size = 0
+    skipping = False
     while chunk := await stream.read(1 << 16):
         parts = chunk.split(b"\n")
-        if len(parts) == 1:
-            pending.append(chunk)
-            continue
-        yield b"".join([*pending, parts[0]])
-        for part in parts[1:-1]:
-            yield part
-        pending = [parts[-1]] if parts[-1] else []
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if not skipping:
+                room = limit - size
+                if len(part) > room:
+                    if not cut:
+                        raise _TooLarge(f"a line over {limit} bytes")
+                    pending.append(part[:room])
+                    size = limit
+                    skipping = True
+                elif part:
+                    pending.append(part)
+                    size += len(part)
+            if not last:
+                yield b"".join(pending)
+                pending, size, skipping = [], 0, False
     if pending:
         yield b"".join(pending)
 
@@ -730,14 +794,51 @@ def mcp_spec(cfg: McpServerConfig, tool: mt.Tool) -> ToolSpec | None:
     )
 
 
+_SECRET_NAME = re.compile(r"key|token|secret|passw|auth|cookie|credential", re.I)
+_SECRET_MIN_CHARS = 8  # shorter values are no keys, and would take words out of results
+
+
+def server_secrets(cfg: McpServerConfig) -> list[str]:
+    """What toolbus hands the server that the server must not hand back to the event log
+    (and the model): its `api_key`, and the values of its headers and stdio variables
+    whose names say key, token, secret, password, auth, cookie or credential."""
+    values = [cfg.api_key or ""]
+    for name, value in [*cfg.headers.items(), *cfg.env.items()]:
+        if _SECRET_NAME.search(name):
+            values.append(value)
+    forms = {form for v in values if len(v) >= _SECRET_MIN_CHARS
+             for form in (v, repr(v)[1:-1], json.dumps(v)[1:-1])}
+    return sorted(forms, key=len, reverse=True)
+
+
+def redact(value: Any, secrets: list[str]) -> Any:
+    """`value` (text, or a JSON result) with every secret replaced by `[redacted]`."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            if secret in value:
+                value = value.replace(secret, _REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, secrets) for v in value]
+    return value
+
+
 class McpTool:
-    """An MCP server's tool, as the executor runs it."""
+    """An MCP server's tool, as the executor runs it. What the server sends back, result
+    or error, never holds its secrets (`server_secrets`): a server (or a proxy before it)
+    quoting the request's `Authorization` header in an error would otherwise store the key
+    in the call's event, for every client and the model to read."""
 
     def __init__(self, spec: ToolSpec, remote_name: str, link: McpLink) -> None:
         self.spec = spec
         self.remote_name = remote_name
         self.link = link
         self.injected: dict[str, Resource] = {}
+        self._secrets = server_secrets(link.cfg)
 
     def check_arguments(self, arguments: dict[str, Any]) -> None:
         """The server checks its own arguments; the schema was checked on admission."""
@@ -756,7 +857,13 @@ class McpTool:
 
         try:
             async with deadline:
-                return await self._attempts(arguments, on_progress, deadline)
+                return redact(await self._attempts(arguments, on_progress, deadline),
+                              self._secrets)
+        except ToolError as exc:
+            if not any(secret in exc.message for secret in self._secrets):
+                raise
+            raise ToolError(redact(exc.message, self._secrets), error_type=exc.error_type,
+                            retryable=exc.retryable) from None
         except TimeoutError:
             if not deadline.expired():
                 raise

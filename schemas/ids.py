@@ -10,7 +10,8 @@ from schemas.errors import InvalidIdError
 TOKEN_RULE = "use 1 to 128 characters from A-Z a-z 0-9 _ -"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # Tool names may also hold dots, which MCP servers use (`files.read`); namespaces may not.
-_TOOL_PART = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+# Dots separate non-empty parts: a catalog key (`ns.tool`) with an empty token is no key.
+_TOOL_PART = re.compile(r"(?=.{1,128}$)[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 
 # Rejections of requests whose session id is unusable are stored under this reserved
 # session, since the event subject needs a valid token.
@@ -53,7 +54,8 @@ def split_tool_name(name: object) -> tuple[str, str]:
     ns, tool = name.split(":")
     if not _TOKEN.fullmatch(ns) or not _TOOL_PART.fullmatch(tool):
         raise InvalidIdError(
-            "tool name", name, f"namespace: {TOKEN_RULE}; tool: the same, dots allowed"
+            "tool name", name,
+            f"namespace: {TOKEN_RULE}; tool: the same, dots allowed between characters",
         )
     return ns, tool
 

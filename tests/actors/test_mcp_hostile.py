@@ -1,0 +1,118 @@
+"""MCP servers that misbehave (tests/hostile_mcp.py, raw JSON-RPC over stdio and HTTP):
+what they send back never holds their key, a message without end is refused rather than
+buffered, a server's own -32000 error is an error (not a dropped connection, which would
+interrupt its other calls and run read-only ones again), and tool names that make no
+catalog key are skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.mcp_connector import McpConnector
+from bus.catalog import Catalog
+from bus.client import ToolbusClient
+from bus.connection import Bus
+from bus.eventlog import EventLog
+from tests.actors.conftest import call_outcome
+from tests.mcp_servers import REPO, SampleServer, http_config, mcp_config
+
+KEY = "sk-hostile-0123456789abcdef"
+
+
+def hostile_stdio(*args: str) -> dict[str, object]:
+    return {"transport": "stdio", "command": sys.executable,
+            "args": ["-m", "tests.hostile_mcp", "--transport", "stdio", *args],
+            "cwd": str(REPO)}
+
+
+@pytest.fixture
+async def hostile_http() -> AsyncIterator[SampleServer]:
+    server = await SampleServer("streamable-http", module="tests.hostile_mcp").start()
+    yield server
+    server.stop()
+
+
+async def connected(bus: Bus, system: dict[str, Any], *configs: Any) -> McpConnector:
+    c = McpConnector(bus, list(configs), env={}, ack_wait_s=1.0)
+    await c.start()
+    catalog: Catalog = system["catalog"]
+    for cfg in configs:
+        await catalog._specs.wait_until(lambda items, i=cfg.id: f"{i}.ok" in items, 5)
+    return c
+
+
+async def test_a_key_the_server_quotes_back_is_never_stored(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        hostile_http: SampleServer) -> None:
+    ns = f"mcpkey{uuid.uuid4().hex[:6]}"
+    c = await connected(bus, system, http_config(ns, hostile_http, api_key=KEY))
+    try:
+        failed = await call_outcome(client, sid, f"{ns}:echo_auth", {})
+        assert failed.error.error_type == "tool_error"
+        assert failed.error.message == "refused: you sent Bearer [redacted]"
+        refused = await call_outcome(client, sid, f"{ns}:err_auth", {})
+        assert refused.error.error_type == "mcp_error"
+        assert "bad credentials Bearer [redacted]" in refused.error.message
+        shown = await call_outcome(client, sid, f"{ns}:show_auth", {})
+        assert shown.result == {"headers": {"authorization": "Bearer [redacted]"}}
+        stored = msgspec.json.encode([s.event for s in await EventLog(bus).read_session(sid)])
+        assert KEY.encode() not in stored
+    finally:
+        await c.stop()
+
+
+async def test_a_servers_own_minus_32000_error_is_an_error_not_a_dropped_connection(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        tmp_path: Path) -> None:
+    ns = f"mcpbusy{uuid.uuid4().hex[:6]}"
+    count = tmp_path / "busy.log"
+    c = await connected(bus, system, mcp_config(ns, **hostile_stdio("--count", str(count))))
+    try:
+        out = await call_outcome(client, sid, f"{ns}:busy", {})
+        assert out.status == "failed" and out.error.error_type == "mcp_error", out
+        assert "database is locked" in out.error.message
+        assert count.read_text().count("busy") == 1  # answered: not sent again
+        assert c.links[ns].sessions == 1  # the session lives on
+    finally:
+        await c.stop()
+
+
+async def test_an_answer_without_end_is_refused_not_buffered(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        hostile_http: SampleServer) -> None:
+    web, io = f"mcpendless{uuid.uuid4().hex[:6]}", f"mcpendlessio{uuid.uuid4().hex[:6]}"
+    c = await connected(bus, system, http_config(web, hostile_http),
+                        mcp_config(io, **hostile_stdio()))
+    try:
+        outs = await asyncio.gather(call_outcome(client, sid, f"{web}:endless", {}),
+                                    call_outcome(client, sid, f"{io}:endless", {}))
+        for out in outs:  # well before the call's 20 s timeout, not out of memory
+            assert out.status == "failed" and out.error.error_type != "timeout", out
+        assert "over 64 MiB" in outs[0].error.message
+        # The stdio stream cannot be read past it: its session ended and a new one began.
+        assert c.links[io].sessions == 2
+        for ns in (web, io):
+            ok = await call_outcome(client, sid, f"{ns}:ok", {})
+            assert ok.result == "ok"
+    finally:
+        await c.stop()
+
+
+async def test_tool_names_that_make_no_catalog_key_are_skipped(
+        bus: Bus, system: dict[str, Any]) -> None:
+    ns = f"mcpnames{uuid.uuid4().hex[:6]}"
+    cfg = mcp_config(ns, **hostile_stdio("--names", "a.,.b,c..d,..,files.read"))
+    c = await connected(bus, system, cfg)
+    try:
+        assert f"{ns}:files.read" in c.tools
+        assert not {f"{ns}:{n}" for n in ("a.", ".b", "c..d", "..")} & set(c.tools)
+    finally:
+        await c.stop()

@@ -1,0 +1,127 @@
+"""A hostile MCP server for tests, raw JSON-RPC (no SDK, so it can misbehave), over stdio
+or streamable HTTP (JSON answers):
+
+    python -m tests.hostile_mcp --transport stdio --count FILE
+    python -m tests.hostile_mcp --transport streamable-http --port 8765
+
+Tools: `echo_auth` fails quoting the request's Authorization header, `err_auth` answers a
+JSON-RPC error quoting it, `show_auth` returns it; `busy` answers the JSON-RPC error
+-32000 (a server's generic error) after appending a line to `--count`; `endless` answers
+with a message that never ends; `ok` answers "ok". `--names A,B` lists more tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+READ_ONLY = {"readOnlyHint": True, "idempotentHint": True}
+TOOLS = ["echo_auth", "err_auth", "show_auth", "busy", "endless", "ok"]
+
+
+def answer(args: argparse.Namespace, body: dict[str, Any], auth: str) -> dict[str, Any] | None:
+    """The answer to one message; None for a notification, "endless" left to the caller."""
+    mid, method = body.get("id"), body.get("method")
+    if mid is None:
+        return None
+    params = body.get("params") or {}
+    if method == "initialize":
+        return {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}},
+                "serverInfo": {"name": "hostile", "version": "1"}}
+    if method == "tools/list":
+        names = TOOLS + [n for n in (args.names or "").split(",") if n]
+        return {"tools": [{"name": n, "inputSchema": {"type": "object"}, "annotations": READ_ONLY}
+                          for n in names]}
+    if method != "tools/call":
+        return {}
+    name = params["name"]
+    if name == "echo_auth":
+        return {"content": [{"type": "text", "text": f"refused: you sent {auth}"}],
+                "isError": True}
+    if name == "err_auth":
+        return {"error": {"code": -32603, "message": f"bad credentials {auth}"}}
+    if name == "show_auth":
+        return {"structuredContent": {"headers": {"authorization": auth}},
+                "content": [{"type": "text", "text": auth}]}
+    if name == "busy":
+        if args.count is not None:
+            with args.count.open("a") as f:
+                f.write("busy\n")
+        return {"error": {"code": -32000, "message": "database is locked"}}
+    return {"content": [{"type": "text", "text": "ok"}]}
+
+
+def reply(mid: Any, result: dict[str, Any]) -> dict[str, Any]:
+    if "error" in result:
+        return {"jsonrpc": "2.0", "id": mid, "error": result["error"]}
+    return {"jsonrpc": "2.0", "id": mid, "result": result}
+
+
+def _is_endless(body: dict[str, Any]) -> bool:
+    return body.get("method") == "tools/call" and body["params"]["name"] == "endless"
+
+
+def stdio(args: argparse.Namespace) -> None:
+    out = sys.stdout.buffer
+    lock = threading.Lock()
+
+    def endless() -> None:
+        with lock:  # one line, never ended, holding stdout
+            while True:
+                out.write(b"x" * (1 << 20))
+                out.flush()
+
+    for raw in sys.stdin.buffer:
+        body = json.loads(raw)
+        if _is_endless(body):
+            threading.Thread(target=endless, daemon=True).start()
+            continue
+        result = answer(args, body, "")
+        if result is not None:
+            with lock:
+                out.write(json.dumps(reply(body["id"], result)).encode() + b"\n")
+                out.flush()
+
+
+def http(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.method != "POST":
+            return web.Response(status=405)
+        body = await request.json()
+        auth = request.headers.get("Authorization", "")
+        if _is_endless(body):
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"jsonrpc": "2.0", "id": %d, "result": {"content": '
+                                 b'[{"type": "text", "text": "' % body["id"])
+            while True:
+                await response.write(b"x" * (1 << 20))
+        result = answer(args, body, auth)
+        if result is None:
+            return web.Response(status=202)
+        return web.json_response(reply(body["id"], result))
+
+    app = web.Application()
+    app.router.add_post("/mcp", handle)
+    app.router.add_get("/mcp", handle)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.hostile_mcp")
+    p.add_argument("--transport", choices=["streamable-http", "stdio"], default="stdio")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--count", type=Path, default=None)
+    p.add_argument("--names", default=None)
+    args = p.parse_args()
+    stdio(args) if args.transport == "stdio" else http(args)
+
+
+if __name__ == "__main__":
+    main()
