@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -57,8 +58,21 @@ _ERROR_CHARS = 300
 # takes several times its size in memory while the decode holds the event loop. A larger
 # one reaches the model as its size and first characters, and cannot be recalled.
 MAX_READ_RESULT_BYTES = 16 * 1024 * 1024
-# Stored results read whole at once, per process (each up to the bound above, decoded).
+# Stored results read whole at once, per process (each up to the bound above, decoded):
+# by the compressor, recall and the gateway together (`reading_bound`).
 READS_AT_ONCE: Final = 2
+_READING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
+    weakref.WeakKeyDictionary()
+
+
+def reading_bound() -> asyncio.Semaphore:
+    """The one bound on stored results read whole at once in this process (its event
+    loop's: a semaphore belongs to one loop)."""
+    loop = asyncio.get_running_loop()
+    bound = _READING.get(loop)
+    if bound is None:
+        bound = _READING[loop] = asyncio.Semaphore(READS_AT_ONCE)
+    return bound
 
 
 @dataclass(frozen=True)
@@ -208,7 +222,6 @@ class Compressor:
         # there is judged without reading its session (see `_small`).
         self._known = known
         self._artifacts = ArtifactStore(bus)
-        self._reading = asyncio.Semaphore(READS_AT_ONCE)
         self._compression = compression or Compression()
         self._clock = clock
         self._kernel.add(Inbox(
@@ -252,7 +265,7 @@ class Compressor:
             if call.result_ref is not None:
                 # Held until its view is stored: a stored result, decoded, is several
                 # times its size, and only so many are held at once.
-                await stack.enter_async_context(self._reading)
+                await stack.enter_async_context(reading_bound())
             await self._compress(entry, call)
         await delivery.ack()
 
@@ -325,6 +338,7 @@ __all__ = [
     "ResultTooLargeError",
     "compress_call",
     "read_result",
+    "reading_bound",
     "result_chars",
     "view_due",
     "whole_result",

@@ -14,7 +14,6 @@ of every tool: offered to the model, approved (read-only), dispatched, stored as
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,11 +22,11 @@ from typing import Any, Final
 from actors import compress
 from actors.compressor import (
     CONTEXT_STATUS,
-    READS_AT_ONCE,
     RECALL,
     Compression,
     ResultTooLargeError,
     read_result,
+    reading_bound,
     whole_result,
 )
 from actors.executor import Executor, current_dispatch
@@ -141,7 +140,6 @@ class ContextExecutor(Executor):
         self._log = EventLog(bus)
         self._states = SessionStates(bus, self._log)
         self._artifacts = ArtifactStore(bus)
-        self._reading = asyncio.Semaphore(READS_AT_ONCE)
         self._compression = compression or Compression()
         self._max_iterations = max_iterations
         tools: list[RunnableTool] = [ContextTool(RECALL_SPEC, self._recall),
@@ -165,7 +163,7 @@ class ContextExecutor(Executor):
             if stored:
                 # Held until the page is cut: a stored result, decoded, is several times
                 # its size, and only so many are held at once.
-                await stack.enter_async_context(self._reading)
+                await stack.enter_async_context(reading_bound())
             return await self._page(d, arguments, state, key, injected, call)
 
     async def _page(self, d: CallDispatched, arguments: dict[str, Any], state: SessionState,

@@ -428,9 +428,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("toolbus bench agent: --turns 1 has no history to compare: give 2 or more "
               "(the last turns of a session are timed against its first)", file=sys.stderr)
         return EXIT_USAGE
+    env_url = os.environ.get("NATS_URL")  # read before an actor's command drops it
     try:
         # `up` runs its own server unless told of one (`--nats` or $NATS_URL).
-        external = getattr(args, "nats", None) or os.environ.get("NATS_URL")
+        external = getattr(args, "nats", None) or env_url
         url = nats_url_for(_role(args), getattr(args, "nats", None),
                            getattr(args, "data_dir", None))
         if _role(args) == "actor":
@@ -497,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "`toolbus up` has not run with it (a typo?); give the --data-dir of the "
                   "running `toolbus up`, or --nats URL", file=sys.stderr)
         url_from = "--nats" if getattr(args, "nats", None) else \
-            "NATS_URL" if os.environ.get("NATS_URL") else None
+            "NATS_URL" if env_url else None
         if isinstance(exc, PermissionDeniedError) and url_from and _role(args) != "client":
             # The URL given is another role's: say which one this command takes.
             print(f"toolbus: `toolbus {args.command}` takes the {_role(args)} role (or "
@@ -868,7 +869,9 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                   f"{_printable(body.get('call_id'))} --session {session}", file=sys.stderr,
                   flush=True)
         elif kind == "result.compressed":
-            how = f"stored as {body.get('key')}" if body.get("key") else "transformed"
+            how = (f"stored as {body.get('key')}" if body.get("key") else
+                   "transformed" if body.get("transform") else
+                   "too large to read")  # `[NOT READ | ...]`: its size and first characters
             print(f"  .. {_printable(body.get('call_id'))}: {body.get('chars')} characters, "
                   f"{_printable(how)}; the model reads {len(str(body.get('view', '')))}",
                   file=sys.stderr, flush=True)

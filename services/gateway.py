@@ -708,7 +708,6 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
     approvals = ApprovalStore(bus)
     streams = _Streams(MAX_STREAMS)
     artifacts = ArtifactStore(bus)
-    reading = asyncio.Semaphore(compressor.READS_AT_ONCE)
 
     async def resolve(state: SessionState) -> tuple[int, int]:
         """Put results stored by reference back into `state`, as the context tools read
@@ -725,7 +724,8 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 left += 1
                 continue
             budget -= ref.size
-            call.result = await compressor.read_result(artifacts, ref, reading)
+            call.result = await compressor.read_result(artifacts, ref,
+                                                       compressor.reading_bound())
             resolved += 1
         return resolved, left
 
