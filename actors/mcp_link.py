@@ -97,6 +97,8 @@ _CONNECTION_CLOSED = -32000
 _SDK_DROP_MESSAGES = ("Connection closed", "SSE stream ")
 _REQUEST_TIMEOUT = -32001
 _MAX_PAGES = 1000
+# The shortest time between two listings of a server's tools (list_changed in a loop).
+_MIN_REFRESH_S = 1.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
 _STOP_WAIT_S = 5.0  # for a session's teardown (a stdio server's takes at most ~2 s)
 # A stdio server gets this long to exit after its stdin closes (the MCP shutdown
@@ -299,7 +301,9 @@ class _StdioServer:
             tasks = [asyncio.create_task(self._read_stdout(proc, read_send),
                                          name=f"mcp-{cfg.id}-stdout"),
                      asyncio.create_task(self._write_stdin(proc, write_recv, read_send),
-                                         name=f"mcp-{cfg.id}-stdin")]
+                                         name=f"mcp-{cfg.id}-stdin"),
+                     asyncio.create_task(self._watch_exit(proc, read_send),
+                                         name=f"mcp-{cfg.id}-exit")]
         except BaseException:
             _signal_group(proc, signal.SIGKILL)
             raise
@@ -374,6 +378,22 @@ class _StdioServer:
             self.returncode = proc.returncode
             self.exited = proc.returncode is not None
             self._on_exit()
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process, out: _Inbound) -> None:
+        """End the session when the process exits, even if its stdout stays open: a child
+        it started (a daemon, in a session of its own) may hold that pipe for as long as it
+        lives, and every call would otherwise wait for an answer until its timeout."""
+        while proc.returncode is None:  # noqa: ASYNC110  # see _exited
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(_STDIO_EXIT_GRACE_S)  # its last lines, if stdout does end
+        if self._stopping or self._eof:
+            return
+        log.warning("MCP server %s: its process exited but its stdout is still open (a "
+                    "child of it holds it); ending its session", self.cfg.id)
+        self.returncode = proc.returncode
+        self.exited = True
+        out.close()
+        self._on_exit()
 
     async def _write_stdin(self, proc: asyncio.subprocess.Process,
                            inbox: MemoryObjectReceiveStream[SessionMessage],
@@ -637,12 +657,21 @@ class McpLink:
                 if client.protocol_version >= "2026-07-28":
                     listener = asyncio.create_task(self._listen(client))
                 try:
+                    loop = asyncio.get_running_loop()
+                    listed = loop.time()
                     while not s.broken:
                         self._wake.clear()
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self._wake.wait(), cfg.refresh_s)
+                        # A server announcing changes without pause is listed at most
+                        # once per interval: the notices meanwhile are one refresh.
+                        early = _MIN_REFRESH_S - (loop.time() - listed)
+                        if early > 0 and not s.broken:
+                            await asyncio.sleep(early)
                         if s.broken:
                             break
+                        self._wake.clear()  # what came meanwhile: this listing sees it
+                        listed = loop.time()
                         await self._on_tools(self, await self._list_all(client))
                 finally:
                     self.mark_broken(s)

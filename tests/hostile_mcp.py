@@ -8,12 +8,19 @@ Tools: `echo_auth` fails quoting the request's Authorization header, `err_auth` 
 JSON-RPC error quoting it, `show_auth` returns it; `busy` answers the JSON-RPC error
 -32000 (a server's generic error) after appending a line to `--count`; `endless` answers
 with a message that never ends; `ok` answers "ok". `--names A,B` lists more tools.
+
+`--mode` (stdio) adds a tool `hostile` and misbehaves: `many` lists 100,000 more tools,
+`refloop` / `deep` (1000 levels) / `badschema` give `hostile` such an input schema,
+`listchanged_loop` sends `notifications/tools/list_changed` without pause, `garbage` writes
+lines that are not JSON-RPC before each answer, `fork` starts a daemon holding its stdout,
+`forkdie` does too and exits when `hostile` is called.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -33,9 +40,32 @@ def answer(args: argparse.Namespace, body: dict[str, Any], auth: str) -> dict[st
         return {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}},
                 "serverInfo": {"name": "hostile", "version": "1"}}
     if method == "tools/list":
+        if os.environ.get("HOSTILE_LIST_LOG"):  # how often it was asked, for the tests
+            with open(os.environ["HOSTILE_LIST_LOG"], "a") as log:
+                log.write("list\n")
         names = TOOLS + [n for n in (args.names or "").split(",") if n]
-        return {"tools": [{"name": n, "inputSchema": {"type": "object"}, "annotations": READ_ONLY}
-                          for n in names]}
+        tools: list[dict[str, Any]] = [
+            {"name": n, "inputSchema": {"type": "object"}, "annotations": READ_ONLY}
+            for n in names]
+        mode = args.mode
+        if mode == "many":
+            tools += [{"name": f"t{i}", "description": "x" * 50,
+                       "inputSchema": {"type": "object", "properties": {"a": {"type": "string"}}},
+                       "annotations": READ_ONLY} for i in range(100_000)]
+        elif mode == "refloop":
+            tools.append({"name": "hostile", "annotations": READ_ONLY, "inputSchema": {
+                "type": "object", "$ref": "#/$defs/a",
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}})
+        elif mode == "deep":
+            tools.append({"name": "hostile", "annotations": READ_ONLY, "inputSchema": "DEEP"})
+        elif mode == "badschema":
+            tools.append({"name": "hostile", "annotations": READ_ONLY, "inputSchema": {
+                "type": "object", "properties": {"a": {"type": 12, "minLength": "x"}},
+                "required": ["a"]}})
+        elif mode in ("listchanged_loop", "garbage", "fork", "forkdie"):
+            tools.append({"name": "hostile", "annotations": READ_ONLY,
+                          "inputSchema": {"type": "object"}})
+        return {"tools": tools}
     if method != "tools/call":
         return {}
     name = params["name"]
@@ -75,15 +105,46 @@ def stdio(args: argparse.Namespace) -> None:
                 out.write(b"x" * (1 << 20))
                 out.flush()
 
+    import time
+    if args.mode in ("fork", "forkdie"):
+        if os.fork() == 0:  # a daemon: its own session, still holding stdout/stderr
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(120)
+            os._exit(0)
+    if args.mode == "listchanged_loop":
+        def spam() -> None:
+            time.sleep(0.5)
+            note = json.dumps({"jsonrpc": "2.0",
+                               "method": "notifications/tools/list_changed"}).encode() + b"\n"
+            while True:
+                with lock:
+                    out.write(note)
+                    out.flush()
+        threading.Thread(target=spam, daemon=True).start()
     for raw in sys.stdin.buffer:
         body = json.loads(raw)
+        if args.mode == "garbage":
+            with lock:
+                out.write(b"garbage {not json\n\x00\xff\xfe binary\n[1,2,3]\n\"str\"\n")
+                out.write(b'{"jsonrpc": "2.0", "id": 99999, "result": {}}\n')
+                out.flush()
+        if args.mode == "forkdie" and body.get("method") == "tools/call" \
+                and body["params"]["name"] == "hostile":
+            os._exit(3)
         if _is_endless(body):
             threading.Thread(target=endless, daemon=True).start()
             continue
         result = answer(args, body, "")
         if result is not None:
             with lock:
-                out.write(json.dumps(reply(body["id"], result)).encode() + b"\n")
+                data = json.dumps(reply(body["id"], result))
+                if args.mode == "deep":
+                    n = 1000
+                    deep = ('{"type": "object", "properties": {"a": ' * n
+                            + '{"type": "string"}' + "}}" * n)
+                    data = data.replace('"DEEP"', deep)
+                out.write(data.encode() + b"\n")
                 out.flush()
 
 
@@ -119,6 +180,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--count", type=Path, default=None)
     p.add_argument("--names", default=None)
+    p.add_argument("--mode", default=None)
     args = p.parse_args()
     stdio(args) if args.transport == "stdio" else http(args)
 

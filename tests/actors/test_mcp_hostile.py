@@ -116,3 +116,40 @@ async def test_tool_names_that_make_no_catalog_key_are_skipped(
         assert not {f"{ns}:{n}" for n in ("a.", ".b", "c..d", "..")} & set(c.tools)
     finally:
         await c.stop()
+
+
+async def test_a_server_that_exits_while_its_child_holds_stdout_is_restarted(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any]) -> None:
+    # It forks a daemon (a session of its own) that keeps its stdout open, then exits on
+    # `hostile`: the session must end with the process, not wait for that stdout to end.
+    ns = f"mcpforkdie{uuid.uuid4().hex[:6]}"
+    c = await connected(bus, system, mcp_config(ns, **hostile_stdio("--mode", "forkdie")))
+    try:
+        died = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:hostile", {}), 10)
+        assert died.status == "failed" and died.error.error_type != "timeout", died
+        ok = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:ok", {}), 10)
+        assert ok.result == "ok"
+        assert c.links[ns].sessions >= 2
+    finally:
+        await c.stop()
+
+
+async def test_a_server_announcing_changes_without_pause_is_listed_once_a_second(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        tmp_path: Any) -> None:
+    # `notifications/tools/list_changed` in a loop: every notice listed the tools again
+    # and registered each one (two KV reads a tool), back to back.
+    ns = f"mcpflood{uuid.uuid4().hex[:6]}"
+    asked = tmp_path / "lists"
+    cfg = {**hostile_stdio("--mode", "listchanged_loop"),
+           "env": {"HOSTILE_LIST_LOG": str(asked)}}
+    c = await connected(bus, system, mcp_config(ns, **cfg))
+    try:
+        before = asked.read_text().count("list") if asked.exists() else 0
+        await asyncio.sleep(3)
+        lists = asked.read_text().count("list") - before
+        assert lists <= 4, f"listed {lists} times in 3 s"
+        ok = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:ok", {}), 10)
+        assert ok.result == "ok"
+    finally:
+        await c.stop()
