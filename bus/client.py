@@ -300,14 +300,16 @@ class ToolbusClient:
                 if watcher.waiting.get(key) is fut:
                     del watcher.waiting[key]
 
-    async def check_resent(self, session_id: str, body: bytes, request_id: str) -> None:
-        """For a request the requests stream took as sent before (its `Submitted` says
-        `duplicate`): `InvalidRequestError` if the turn stored under its request id is
-        another request's (the end it would be answered with is not its own)."""
+    async def check_resent(self, session_id: str, body: bytes, request_id: str) -> bool:
+        """For a request sent before (the requests stream took it as a duplicate, or the
+        session actor stored `duplicate_request`): `InvalidRequestError` if the turn stored
+        under its request id is another request's (the end it would be answered with is
+        not its own). Whether that turn is stored."""
         state = await self.fold_session(session_id)
         turn = state.turns.get(turn_id_for(request_id))
         if turn is not None:
             _same_request(state, turn, body, request_id)
+        return turn is not None
 
     async def ask(self, session_id: str, message: str, *, request_id: str | None = None,
                   agent: str | None = None, timeout: float = 120.0) -> TurnEnd:
@@ -363,9 +365,7 @@ class ToolbusClient:
                 sub = await self.submit(session_id, body, request_id=request_id)
                 if sub.duplicate:
                     # Sent before: how it ended, or how it was refused, is stored already.
-                    state = await self.fold_session(session_id)
-                    if turn_id in state.turns:
-                        _same_request(state, state.turns[turn_id], body, request_id)
+                    if await self.check_resent(session_id, body, request_id):
                         found = await self.find_end(session_id, turn_id, full=full)
                         if found is not None:
                             return found
@@ -380,9 +380,7 @@ class ToolbusClient:
                                                and ev.reason == "duplicate_request"):
                         return await self._with_results(ev, watcher.results, full=full)
                     if ev is not None:  # sent before, without the same message id
-                        state = await self.fold_session(session_id)
-                        if turn_id in state.turns:
-                            _same_request(state, state.turns[turn_id], body, request_id)
+                        await self.check_resent(session_id, body, request_id)
                     found = await self.find_end(session_id, turn_id, full=full)
                     if found is not None:
                         return found
