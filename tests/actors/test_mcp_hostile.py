@@ -7,6 +7,7 @@ catalog key are skipped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -40,21 +41,26 @@ async def hostile_http() -> AsyncIterator[SampleServer]:
     server.stop()
 
 
-async def connected(bus: Bus, system: dict[str, Any], *configs: Any) -> McpConnector:
+@contextlib.asynccontextmanager
+async def connected(bus: Bus, system: dict[str, Any], *configs: Any
+                    ) -> AsyncIterator[McpConnector]:
+    """A connector of `configs`, once each server's `ok` is in the catalog; stopped after."""
     c = McpConnector(bus, list(configs), env={}, ack_wait_s=1.0)
     await c.start()
-    catalog: Catalog = system["catalog"]
-    for cfg in configs:
-        await catalog._specs.wait_until(lambda items, i=cfg.id: f"{i}.ok" in items, 5)
-    return c
+    try:
+        catalog: Catalog = system["catalog"]
+        for cfg in configs:
+            await catalog._specs.wait_until(lambda items, i=cfg.id: f"{i}.ok" in items, 5)
+        yield c
+    finally:
+        await c.stop()
 
 
 async def test_a_key_the_server_quotes_back_is_never_stored(
         bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
         hostile_http: SampleServer) -> None:
     ns = f"mcpkey{uuid.uuid4().hex[:6]}"
-    c = await connected(bus, system, http_config(ns, hostile_http, api_key=KEY))
-    try:
+    async with connected(bus, system, http_config(ns, hostile_http, api_key=KEY)):
         failed = await call_outcome(client, sid, f"{ns}:echo_auth", {})
         assert failed.error.error_type == "tool_error"
         assert failed.error.message == "refused: you sent Bearer [redacted]"
@@ -65,8 +71,6 @@ async def test_a_key_the_server_quotes_back_is_never_stored(
         assert shown.result == {"headers": {"authorization": "Bearer [redacted]"}}
         stored = msgspec.json.encode([s.event for s in await EventLog(bus).read_session(sid)])
         assert KEY.encode() not in stored
-    finally:
-        await c.stop()
 
 
 async def test_a_servers_own_minus_32000_error_is_an_error_not_a_dropped_connection(
@@ -74,24 +78,21 @@ async def test_a_servers_own_minus_32000_error_is_an_error_not_a_dropped_connect
         tmp_path: Path) -> None:
     ns = f"mcpbusy{uuid.uuid4().hex[:6]}"
     count = tmp_path / "busy.log"
-    c = await connected(bus, system, mcp_config(ns, **hostile_stdio("--count", str(count))))
-    try:
+    cfg = mcp_config(ns, **hostile_stdio("--count", str(count)))
+    async with connected(bus, system, cfg) as c:
         out = await call_outcome(client, sid, f"{ns}:busy", {})
         assert out.status == "failed" and out.error.error_type == "mcp_error", out
         assert "database is locked" in out.error.message
         assert count.read_text().count("busy") == 1  # answered: not sent again
         assert c.links[ns].sessions == 1  # the session lives on
-    finally:
-        await c.stop()
 
 
 async def test_an_answer_without_end_is_refused_not_buffered(
         bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
         hostile_http: SampleServer) -> None:
     web, io = f"mcpendless{uuid.uuid4().hex[:6]}", f"mcpendlessio{uuid.uuid4().hex[:6]}"
-    c = await connected(bus, system, http_config(web, hostile_http),
-                        mcp_config(io, **hostile_stdio()))
-    try:
+    async with connected(bus, system, http_config(web, hostile_http),
+                        mcp_config(io, **hostile_stdio())) as c:
         outs = await asyncio.gather(call_outcome(client, sid, f"{web}:endless", {}),
                                     call_outcome(client, sid, f"{io}:endless", {}))
         for out in outs:  # well before the call's 20 s timeout, not out of memory
@@ -102,20 +103,15 @@ async def test_an_answer_without_end_is_refused_not_buffered(
         for ns in (web, io):
             ok = await call_outcome(client, sid, f"{ns}:ok", {})
             assert ok.result == "ok"
-    finally:
-        await c.stop()
 
 
 async def test_tool_names_that_make_no_catalog_key_are_skipped(
         bus: Bus, system: dict[str, Any]) -> None:
     ns = f"mcpnames{uuid.uuid4().hex[:6]}"
     cfg = mcp_config(ns, **hostile_stdio("--names", "a.,.b,c..d,..,files.read"))
-    c = await connected(bus, system, cfg)
-    try:
+    async with connected(bus, system, cfg) as c:
         assert f"{ns}:files.read" in c.tools
         assert not {f"{ns}:{n}" for n in ("a.", ".b", "c..d", "..")} & set(c.tools)
-    finally:
-        await c.stop()
 
 
 async def test_a_server_that_exits_while_its_child_holds_stdout_is_restarted(
@@ -123,15 +119,13 @@ async def test_a_server_that_exits_while_its_child_holds_stdout_is_restarted(
     # It forks a daemon (a session of its own) that keeps its stdout open, then exits on
     # `hostile`: the session must end with the process, not wait for that stdout to end.
     ns = f"mcpforkdie{uuid.uuid4().hex[:6]}"
-    c = await connected(bus, system, mcp_config(ns, **hostile_stdio("--mode", "forkdie")))
-    try:
+    cfg = mcp_config(ns, **hostile_stdio("--mode", "forkdie"))
+    async with connected(bus, system, cfg) as c:
         died = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:hostile", {}), 10)
         assert died.status == "failed" and died.error.error_type != "timeout", died
         ok = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:ok", {}), 10)
         assert ok.result == "ok"
         assert c.links[ns].sessions >= 2
-    finally:
-        await c.stop()
 
 
 async def test_a_server_announcing_changes_without_pause_is_listed_once_a_second(
@@ -143,13 +137,10 @@ async def test_a_server_announcing_changes_without_pause_is_listed_once_a_second
     asked = tmp_path / "lists"
     cfg = {**hostile_stdio("--mode", "listchanged_loop"),
            "env": {"HOSTILE_LIST_LOG": str(asked)}}
-    c = await connected(bus, system, mcp_config(ns, **cfg))
-    try:
+    async with connected(bus, system, mcp_config(ns, **cfg)):
         before = asked.read_text().count("list") if asked.exists() else 0
         await asyncio.sleep(3)
         lists = asked.read_text().count("list") - before
         assert lists <= 4, f"listed {lists} times in 3 s"
         ok = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:ok", {}), 10)
         assert ok.result == "ok"
-    finally:
-        await c.stop()
