@@ -175,25 +175,22 @@ class ResultTooLargeError(Exception):
 
 
 async def read_result(artifacts: ArtifactStore, ref: ResultRef,
-                      reading: asyncio.Semaphore | None, limit: int | None = None) -> Any:
+                      limit: int | None = None) -> Any:
     """A result from the object store, decoded (`ResultTooLargeError` over `limit`,
-    default `MAX_READ_RESULT_BYTES`), at most as many at once as `reading` lets (None:
-    the caller holds it, for as long as it keeps the value)."""
+    default `MAX_READ_RESULT_BYTES`). Hold `reading_bound()` for as long as the value is
+    kept."""
     limit = MAX_READ_RESULT_BYTES if limit is None else limit
     if ref.size > limit:
         raise ResultTooLargeError(ref, limit)
-    async with contextlib.AsyncExitStack() as stack:
-        if reading is not None:
-            await stack.enter_async_context(reading)
-        return msgspec.json.decode(await artifacts.read(ref))
+    return msgspec.json.decode(await artifacts.read(ref))
 
 
 async def whole_result(artifacts: ArtifactStore, call: CallState,
-                       reading: asyncio.Semaphore | None, limit: int | None = None) -> Any:
+                       limit: int | None = None) -> Any:
     """The call's whole result: from its event, or read from the object store."""
     if call.result_ref is None:
         return call.result
-    return await read_result(artifacts, call.result_ref, reading, limit)
+    return await read_result(artifacts, call.result_ref, limit)
 
 
 def unread_call(state: SessionState, call: CallState, exc: ResultTooLargeError,
@@ -273,7 +270,7 @@ class Compressor:
         call_id = call.call_id
         unread: ResultTooLargeError | None = None
         try:
-            result = await whole_result(self._artifacts, call, None)
+            result = await whole_result(self._artifacts, call)
         except ResultTooLargeError as exc:
             result, unread = None, exc
 

@@ -172,9 +172,9 @@ class ContextExecutor(Executor):
         try:
             if injected is not None:
                 result = injected.result if injected.result_ref is None else \
-                    await read_result(self._artifacts, injected.result_ref, None)
+                    await read_result(self._artifacts, injected.result_ref)
             elif call is not None:
-                result = await whole_result(self._artifacts, call, None)
+                result = await whole_result(self._artifacts, call)
             else:
                 result = _UNKNOWN
         except ResultTooLargeError as exc:

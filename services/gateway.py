@@ -724,8 +724,8 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 left += 1
                 continue
             budget -= ref.size
-            call.result = await compressor.read_result(artifacts, ref,
-                                                       compressor.reading_bound())
+            async with compressor.reading_bound():
+                call.result = await compressor.read_result(artifacts, ref)
             resolved += 1
         return resolved, left
 
