@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RePublish,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 
 from bus.connection import Bus
 
@@ -43,11 +52,13 @@ async def raw_ops(bus: Bus, responder: Bus, payload: bytes) -> AsyncIterator[tup
 
 
 async def _consume(bus: Bus, subject: str, durable: str,
-                   cb: Callable[[Msg], Awaitable[None]]) -> Any:
-    """A durable push consumer of new messages on `subject`, acked by `cb`."""
+                   cb: Callable[[Msg], Awaitable[None]], *,
+                   deliver: DeliverPolicy = DeliverPolicy.NEW) -> Any:
+    """A durable push consumer of new messages on `subject` (`deliver`: all of them, for a
+    work queue), acked by `cb`."""
     return await bus.js.subscribe(subject, durable=durable, cb=cb, manual_ack=True,
                                   config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                                        deliver_policy=DeliverPolicy.NEW))
+                                                        deliver_policy=deliver))
 
 
 async def _until_delivered(bus: Bus, waiting: dict[Any, asyncio.Future[None]], key: Any,
@@ -114,6 +125,16 @@ BARE_PREFIX = "bench.bare"
 _BARE_CONSUMERS = {"actor": ("req", "result"), "worker": ("call",)}
 
 
+async def _serve_until_cancelled(subs: list[Any], ready: Callable[[], None]) -> None:
+    ready()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
 @contextlib.asynccontextmanager
 async def bare_stream(bus: Bus) -> AsyncIterator[None]:
     """The stream the bare turn's hops are stored in, deleted afterwards."""
@@ -151,13 +172,7 @@ async def serve_bare(bus: Bus, role: str, ready: Callable[[], None],
 
     subs = [await _consume(bus, f"{BARE_PREFIX}.{kind}.*", f"bench-bare-{kind}", on_msg)
             for kind in _BARE_CONSUMERS[role]]
-    ready()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+    await _serve_until_cancelled(subs, ready)
 
 
 @contextlib.asynccontextmanager
@@ -176,6 +191,144 @@ async def bare_client(bus: Bus) -> AsyncIterator[Op]:
 
     async def op(i: int) -> None:
         await _until_delivered(bus, waiting, str(i), f"{BARE_PREFIX}.req.{i}",
+                               b'{"message":"say %d"}' % i)
+
+    try:
+        yield op
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+# --- the bare event-model turn ------------------------------------------------------------
+#
+# The same turn with the events toolbus's event model stores for it and the deliveries it
+# makes, and nothing else: the request stored in a work queue; eleven events stored (each
+# with its message id), each delivered to a durable consumer of every session event (the
+# session actor's) and acked; `turn.requested` and `call.succeeded` delivered to the
+# planner's consumer, `call.requested` to the approval's, `call.dispatched` to the worker's,
+# `call.succeeded` to the compressor's; the model's text deltas published live; the end
+# republished live to the client. Bodies are decoded and re-encoded; no state, no checks.
+# What the event model costs on this machine before toolbus does any work of its own.
+
+BARE_EVENTS_STREAM = "BENCH_BARE_EVENTS"
+BARE_REQUESTS_STREAM = "BENCH_BARE_REQUESTS"
+_BEV = "bench.barev"  # events: bench.barev.<key>.<type>
+_BREQ = "bench.barevreq"  # requests: bench.barevreq.<key>
+_BLIVE = "bench.barevlive"  # the events republished: bench.barevlive.<key>.<type>
+# Each event's consumers, past the session actor's, as toolbus's actors consume them.
+_BARE_EVENT_CONSUMERS = {"actor": {"planner-turn": "turn.requested",
+                                   "planner-result": "call.succeeded",
+                                   "approval": "call.requested",
+                                   "compressor": "call.succeeded"},
+                         "worker": {"executor": "call.dispatched"}}
+BARE_EVENTS_STORED = 11  # turn.requested, 2 x (model.requested, model.responded), ...
+BARE_EVENTS_DELIVERIES = 16  # the session actor's 11, and 5 above
+_BARE_DELTAS = 3  # the sample model's text deltas in the turn's last round trip
+
+
+@contextlib.asynccontextmanager
+async def bare_events_streams(bus: Bus) -> AsyncIterator[None]:
+    """The streams of the bare event-model turn, deleted afterwards."""
+    await bus.js.add_stream(StreamConfig(name=BARE_REQUESTS_STREAM, subjects=[f"{_BREQ}.*"],
+                                         retention=RetentionPolicy.WORK_QUEUE,
+                                         storage=StorageType.FILE))
+    await bus.js.add_stream(StreamConfig(
+        name=BARE_EVENTS_STREAM, subjects=[f"{_BEV}.>"], storage=StorageType.FILE,
+        republish=RePublish(src=f"{_BEV}.*.>", dest=f"{_BLIVE}.{{{{wildcard(1)}}}}.>")))
+    try:
+        yield
+    finally:
+        for name in (BARE_EVENTS_STREAM, BARE_REQUESTS_STREAM):
+            with contextlib.suppress(Exception):
+                await bus.js.delete_stream(name)
+
+
+async def serve_bare_events(bus: Bus, role: str, ready: Callable[[], None],
+                            ask: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """Consume the bare event-model turn's events of `role` until cancelled: `actor` is
+    the session actor (the request, and every event), the planner (`turn.requested`:
+    the first model round trip, `ask(0)`, and the call; `call.succeeded`: the second,
+    `ask(1)`, and the end), the approval and the compressor; `worker` the executor."""
+
+    def publish(key: str, kind: str, body: bytes) -> Awaitable[Any]:
+        return bus.js.publish(f"{_BEV}.{key}.{kind}", body,
+                              headers={"Nats-Msg-Id": f"{key}:{kind}"})
+
+    async def on_request(msg: Msg) -> None:
+        key = msg.subject.rsplit(".", 1)[1]
+        body = msgspec.json.encode(msgspec.json.decode(msg.data))
+        await publish(key, "turn.requested", body)
+        await msg.ack()
+
+    async def on_event(msg: Msg) -> None:  # the session actor: every event, decoded
+        msgspec.json.decode(msg.data)
+        await msg.ack()
+
+    async def on_turn(msg: Msg) -> None:
+        assert ask is not None
+        key = msg.subject.split(".")[2]
+        body = msgspec.json.encode(msgspec.json.decode(msg.data))
+        asked = asyncio.ensure_future(publish(key, "model.requested", body))
+        await ask(0)
+        await asyncio.gather(asked, *(publish(key, kind, body) for kind in (
+            "model.responded", "call.requested", "call.approved", "call.dispatched")))
+        await msg.ack()
+
+    async def on_call(msg: Msg) -> None:
+        key = msg.subject.split(".")[2]
+        body = msgspec.json.encode(msgspec.json.decode(msg.data))
+        await asyncio.gather(publish(key, "call.started", body),
+                             publish(key, "call.succeeded", body))
+        await msg.ack()
+
+    async def on_result(msg: Msg) -> None:
+        assert ask is not None
+        key = msg.subject.split(".")[2]
+        body = msgspec.json.encode(msgspec.json.decode(msg.data))
+        asked = asyncio.ensure_future(publish(key, "model.requested", body))
+        await ask(1)
+        for _ in range(_BARE_DELTAS):
+            await bus.nc.publish(f"{_BLIVE}.{key}.model.delta", b'{"text":"x"}')
+        await asyncio.gather(asked, publish(key, "model.responded", body),
+                             publish(key, "turn.completed", body))
+        await msg.ack()
+
+    async def on_ack(msg: Msg) -> None:  # the approval's and the compressor's
+        msgspec.json.decode(msg.data)
+        await msg.ack()
+
+    handlers: dict[str, Callable[[Msg], Awaitable[None]]] = {
+        "planner-turn": on_turn, "planner-result": on_result, "approval": on_ack,
+        "compressor": on_ack, "executor": on_call}
+    subs = []
+    if role == "actor":
+        subs.append(await _consume(bus, f"{_BREQ}.*", "bench-barev-requests", on_request,
+                                   deliver=DeliverPolicy.ALL))
+        subs.append(await _consume(bus, f"{_BEV}.>", "bench-barev-session", on_event))
+    for name, kind in _BARE_EVENT_CONSUMERS[role].items():
+        subs.append(await _consume(bus, f"{_BEV}.*.{kind}", f"bench-barev-{name}",
+                                   handlers[name]))
+    await _serve_until_cancelled(subs, ready)
+
+
+@contextlib.asynccontextmanager
+async def bare_events_client(bus: Bus) -> AsyncIterator[Op]:
+    """An op that is one bare event-model turn: the request stored, until its end is
+    republished here (the streams and both other processes serving it)."""
+    waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def on_end(msg: Msg) -> None:
+        done = waiting.pop(msg.subject.split(".")[2], None)
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    sub = await bus.nc.subscribe(f"{_BLIVE}.*.turn.completed", cb=on_end)
+    turns = itertools.count()  # each turn's own key: its events' message ids are new
+
+    async def op(i: int) -> None:
+        key = f"t{next(turns)}"
+        await _until_delivered(bus, waiting, key, f"{_BREQ}.{key}",
                                b'{"message":"say %d"}' % i)
 
     try:

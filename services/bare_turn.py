@@ -1,13 +1,14 @@
 """The processes of the bare agent turn `toolbus bench agent` measures as its floor
 (bus/baseline.py): the hops of a one-tool turn and its two model round trips, nothing else.
 
-    python -m services.bare_turn actor --model URL --bodies FILE
-    python -m services.bare_turn worker
+    python -m services.bare_turn actor --model URL --bodies FILE [--events]
+    python -m services.bare_turn worker [--events]
 
 `NATS_URL` names the server (its password stays out of argv), `SAMPLE_LLM_KEY` the model
 server's key. `--bodies` is a JSON list of the two request bodies to send, in order, as the
-planner sent them. Each prints `ready` once it consumes, and runs until terminated. Not part
-of the runtime.
+planner sent them. With `--events`, the bare event-model turn: the same turn with the
+events and deliveries toolbus's event model makes. Each prints `ready` once it consumes,
+and runs until terminated. Not part of the runtime.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import msgspec
 from services.process import run as run_loop
 
 
-async def _serve(role: str, model: str | None, bodies: list[bytes]) -> int:
+async def _serve(role: str, model: str | None, bodies: list[bytes], events: bool) -> int:
     from actors.llm import ModelClient
-    from bus.baseline import serve_bare
+    from bus.baseline import serve_bare, serve_bare_events
     from bus.connection import connect
 
     bus = await connect(os.environ["NATS_URL"], name=f"toolbus-bench-bare-{role}")
@@ -46,7 +47,8 @@ async def _serve(role: str, model: str | None, bodies: list[bytes]) -> int:
                     raise RuntimeError(f"the model server answered {r.status}")
 
             ask = ask_model
-        await serve_bare(bus, role, lambda: print("ready", flush=True), ask)
+        serve = serve_bare_events if events else serve_bare
+        await serve(bus, role, lambda: print("ready", flush=True), ask)
     finally:
         if http is not None:
             await http.aclose()
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=("actor", "worker"))
     parser.add_argument("--model", help="the model server's chat completions URL (actor)")
     parser.add_argument("--bodies", help="a JSON list of the two request bodies (actor)")
+    parser.add_argument("--events", action="store_true",
+                        help="the bare event-model turn (every event the turn stores)")
     args = parser.parse_args(argv)
     if args.role == "actor" and not (args.model and args.bodies):
         parser.error("the actor needs --model and --bodies")
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--bodies {args.bodies}: not a JSON list of two request bodies")
         bodies = [msgspec.json.encode(b) for b in found]
     try:
-        return run_loop(_serve(args.role, args.model, bodies))
+        return run_loop(_serve(args.role, args.model, bodies, args.events))
     except Exception as exc:  # a helper of the benchmark: one line, which it shows
         print(f"bare_turn {args.role}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -25,7 +25,16 @@ from typing import Any
 import msgspec
 
 from bus.auth import redact
-from bus.baseline import bare_client, bare_stream, raw_chain, raw_ops
+from bus.baseline import (
+    BARE_EVENTS_DELIVERIES,
+    BARE_EVENTS_STORED,
+    bare_client,
+    bare_events_client,
+    bare_events_streams,
+    bare_stream,
+    raw_chain,
+    raw_ops,
+)
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
 from bus.eventlog import Append, EventLog
@@ -672,18 +681,20 @@ def _agent_manifest(port: int) -> str:
 
 @contextlib.asynccontextmanager
 async def _bare_turn(bus: Bus, url: str, model: str, bodies: list[bytes],
-                     env: dict[str, str]) -> AsyncIterator[Op]:
+                     env: dict[str, str], *, events: bool = False) -> AsyncIterator[Op]:
     """The bare agent turn (bus/baseline.py) between an actor process and a worker process
     started for it (services/bare_turn.py), sending `bodies` to the model at `model`;
-    stopped afterwards."""
+    stopped afterwards. With `events`, the bare event-model turn."""
     with tempfile.TemporaryDirectory(prefix="toolbus-bench-bare-") as tmp:
         bodies_file = Path(tmp, "bodies.json")
         bodies_file.write_bytes(  # noqa: ASYNC240 - once, before anything is measured
             b"[" + b",".join(bodies) + b"]")
-        async with bare_stream(bus), contextlib.AsyncExitStack() as procs:
+        streams = bare_events_streams(bus) if events else bare_stream(bus)
+        flag = ["--events"] if events else []
+        async with streams, contextlib.AsyncExitStack() as procs:
             started: list[tuple[str, subprocess.Popen[str], Any]] = []
-            for role, extra in (("worker", []), ("actor", ["--model", model, "--bodies",
-                                                         str(bodies_file)])):
+            for role, extra in (("worker", flag), ("actor", ["--model", model, "--bodies",
+                                                           str(bodies_file), *flag])):
                 errors = procs.enter_context(tempfile.TemporaryFile())
                 proc = subprocess.Popen(  # noqa: ASYNC220 - once, before anything is measured
                     [sys.executable, "-m", "services.bare_turn", role, *extra],
@@ -700,7 +711,7 @@ async def _bare_turn(bus: Bus, url: str, model: str, bodies: list[bytes],
                     tail = errors.read()[-2000:].decode(errors="replace").strip()
                     raise ConfigError(f"the bare turn's {role} did not start: "
                                       f"{tail or line or 'no output'}")
-            async with bare_client(bus) as bare_op:
+            async with (bare_events_client if events else bare_client)(bus) as bare_op:
                 async def op(i: int) -> None:
                     try:
                         await bare_op(i)
@@ -833,6 +844,15 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
                                  bare_op, n=n, concurrency=1)
             bare_cpu = _cpu_per_op(bare_cpu_before, _cpu_seconds(), n)
             bare_msgs = _per_op(bare_msgs_before, await _messages(http, url), n)
+        async with _bare_turn(bus, url, f"{base}/v1/chat/completions", first, env,
+                              events=True) as bare_events_op:
+            await measure("warm-up", bare_events_op, n=min(n, 100), concurrency=1)
+            cpu_before, msgs_before = _cpu_seconds(), await _messages(http, url)
+            bare_events = await measure(
+                f"bare event-model turn: {BARE_EVENTS_STORED} events, "
+                f"{BARE_EVENTS_DELIVERIES} deliveries", bare_events_op, n=n, concurrency=1)
+            bare_events_cpu = _cpu_per_op(cpu_before, _cpu_seconds(), n)
+            bare_events_msgs = _per_op(msgs_before, await _messages(http, url), n)
         cpu_before, msgs_before = _cpu_seconds(), await _messages(http, url)
         fresh = await measure("toolbus turn, fresh sessions",
                               turn_in(lambda i: f"agent-{run}-f{i}"), n=n, concurrency=1)
@@ -877,8 +897,10 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
     early_line = Line(early).beside(d_fresh, *LATENCY)
     late_line = Line(late).beside(early, *LATENCY).beside(d_late, *LATENCY)
     bare_line = Line(bare).beside(d_fresh, *LATENCY)
+    bare_events_line = Line(bare_events).beside(d_fresh, *LATENCY)
     lines = [*_floor_lines(floors), Line(chain).beside(floors.js, *LATENCY), Line(d_fresh),
-             Line(d_aiohttp), bare_line, fresh_line, early_line, Line(d_late), late_line]
+             Line(d_aiohttp), bare_line, bare_events_line, fresh_line, early_line,
+             Line(d_late), late_line]
     overhead = fresh.p50_ms - d_fresh.p50_ms
     raw_flat = late_line.ratio("p50", early)
     # The goal's measure: each turn against the fresh-session turn right after it, late
@@ -909,6 +931,14 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
         "bare_overhead_p50_ms": round(bare.p50_ms - d_fresh.p50_ms, 3),
         "overhead_beyond_bare_p50_ms": round(fresh.p50_ms - bare.p50_ms, 3),
         "cpu_per_bare_turn_ms": bare_cpu,
+        # The bare event-model turn: the same turn storing the events toolbus stores and
+        # delivering them where toolbus's actors consume them, nothing else done: what the
+        # event model alone costs by the goal's measure, and what toolbus adds beyond it.
+        "bare_events_turn_p50_ms": round(bare_events.p50_ms, 3),
+        "bare_events_overhead_p50_ms": round(bare_events.p50_ms - d_fresh.p50_ms, 3),
+        "overhead_beyond_bare_events_p50_ms": round(fresh.p50_ms - bare_events.p50_ms, 3),
+        "cpu_per_bare_events_turn_ms": bare_events_cpu,
+        "messages_per_bare_events_turn": bare_events_msgs,
         # Messages nats-server received and sent per turn, toolbus's and the bare one's
         # (empty on a server this benchmark did not start).
         "messages_per_turn": msgs,
@@ -965,6 +995,13 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
           f"events), takes {bare.p50_ms:.2f} ms: the goal's measure of it (its p50 minus "
           f"the direct httpx round trips) is {report['bare_overhead_p50_ms']} ms, and a "
           f"toolbus turn takes {report['overhead_beyond_bare_p50_ms']} ms more than it.")
+    print(f"A bare event-model turn, the same turn storing the {BARE_EVENTS_STORED} events a "
+          f"toolbus turn stores and making its {BARE_EVENTS_DELIVERIES} deliveries (each "
+          f"event to the session actor; the planner's, approval's, executor's and "
+          f"compressor's), with nothing else done, takes {bare_events.p50_ms:.2f} ms: the "
+          f"event model alone is {report['bare_events_overhead_p50_ms']} ms by the goal's "
+          f"measure, and toolbus's own work {report['overhead_beyond_bare_events_p50_ms']} "
+          f"ms beyond it.")
     print(f"{sessions}, {turns} turns each: turns {late_span} p50 / turns {early_span} = "
           f"{report['late_turns_p50_vs_early']}x (flat is 1.0x); toolbus adds "
           f"{report['early_overhead_p50_ms']} ms early, {report['late_overhead_p50_ms']} ms "
@@ -984,11 +1021,14 @@ async def bench_agent(*, n: int = 2000, turns: int = 100, fsync: str = "batch",
     if msgs and bare_msgs:
         print(f"Messages through nats-server per turn (received, sent: publishes, acks, "
               f"API requests and replies, deliveries): toolbus {msgs['in']:g}, "
-              f"{msgs['out']:g}; the bare turn {bare_msgs['in']:g}, {bare_msgs['out']:g}")
-    if bare_cpu:
-        print("CPU per bare turn: " + ", ".join(
-            f"{k} {v:.2f} ms" for k, v in bare_cpu.items() if k != "all") +
-            f"; {bare_cpu['all']:.2f} ms in all")
+              f"{msgs['out']:g}; the bare turn {bare_msgs['in']:g}, {bare_msgs['out']:g}"
+              + (f"; the bare event-model turn {bare_events_msgs['in']:g}, "
+                 f"{bare_events_msgs['out']:g}" if bare_events_msgs else ""))
+    for what, per in (("bare turn", bare_cpu), ("bare event-model turn", bare_events_cpu)):
+        if per:
+            print(f"CPU per {what}: " + ", ".join(
+                f"{k} {v:.2f} ms" for k, v in per.items() if k != "all" and v) +
+                f"; {per['all']:.2f} ms in all")
     print(f"goals: overhead p50 <= {AGENT_GOAL_OVERHEAD_MS:g} ms "
           f"({'met' if goal['overhead_met'] else 'MISSED'}), late turns at most "
           f"{AGENT_GOAL_FLAT:.0%} slower than early, beside fresh turns "

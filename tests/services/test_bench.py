@@ -138,16 +138,18 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
     chain = "raw JetStream chain, 5 hops"
     aiohttp = "direct aiohttp, 2 model round trips"
     bare = "bare turn: 4 hops, 2 model round trips"
-    assert [r["name"] for r in rows] == [JS, RR, chain, direct, aiohttp, bare, turn, early,
-                                         late_direct, late]
-    assert all(r["n"] == 20 for r in rows[:7]) and rows[7]["n"] == rows[9]["n"] == 25
+    bare_events = "bare event-model turn: 11 events, 16 deliveries"
+    assert [r["name"] for r in rows] == [JS, RR, chain, direct, aiohttp, bare, bare_events,
+                                         turn, early, late_direct, late]
+    assert all(r["n"] == 20 for r in rows[:8]) and rows[8]["n"] == rows[10]["n"] == 25
     assert _vs(rows[2]) == {("p50", JS, "p50"), ("p99", JS, "p50")}
     assert _vs(rows[5]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
-    assert _vs(rows[6]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
+    assert _vs(rows[6]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
+    assert _vs(rows[7]) == {("p50", direct, "p50"), ("p99", direct, "p50"),
                             ("p50", bare, "p50"), ("p99", bare, "p50"),
                             ("p50", JS, "p50"), ("p99", JS, "p50")}
-    assert _vs(rows[7]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
-    assert _vs(rows[9]) == {("p50", early, "p50"), ("p99", early, "p50"),
+    assert _vs(rows[8]) == {("p50", direct, "p50"), ("p99", direct, "p50")}
+    assert _vs(rows[10]) == {("p50", early, "p50"), ("p99", early, "p50"),
                             ("p50", late_direct, "p50"), ("p99", late_direct, "p50")}
     # The bare turn, the floor of a turn of this shape: the goal's measure of it, and what
     # toolbus adds beyond it, add up; its own processes spent CPU on it.
@@ -155,18 +157,30 @@ def test_bench_agent_reports_a_planner_turn_beside_the_same_model_round_trips_se
     assert report["bare_overhead_p50_ms"] == pytest.approx(
         rows[5]["p50_ms"] - rows[3]["p50_ms"], abs=0.002)
     assert report["overhead_beyond_bare_p50_ms"] == pytest.approx(
-        rows[6]["p50_ms"] - rows[5]["p50_ms"], abs=0.002)
+        rows[7]["p50_ms"] - rows[5]["p50_ms"], abs=0.002)
     bare_cpu = report["cpu_per_bare_turn_ms"]
     assert {"bare actor", "bare worker", "nats-server", "model server"} <= set(bare_cpu)
+    # The bare event-model turn likewise: the event model alone, and toolbus beyond it.
+    assert report["bare_events_turn_p50_ms"] == pytest.approx(rows[6]["p50_ms"], abs=0.002)
+    assert report["bare_events_overhead_p50_ms"] == pytest.approx(
+        rows[6]["p50_ms"] - rows[3]["p50_ms"], abs=0.002)
+    assert report["overhead_beyond_bare_events_p50_ms"] == pytest.approx(
+        rows[7]["p50_ms"] - rows[6]["p50_ms"], abs=0.002)
+    assert {"bare actor", "bare worker", "nats-server", "model server"} <= set(
+        report["cpu_per_bare_events_turn_ms"])
     # Messages through nats-server per turn: a bare turn's four hops are at least four
     # publishes, four acks of them and four deliveries; a toolbus turn stores eleven events.
     bare_msgs, msgs = report["messages_per_bare_turn"], report["messages_per_turn"]
     assert bare_msgs["in"] >= 8 and bare_msgs["out"] >= 8, bare_msgs
     assert msgs["in"] > 11 and msgs["out"] > 11, msgs
+    # The bare event-model turn stores as many events and makes as many deliveries: the
+    # request and its eleven events published and acked, sixteen deliveries acked.
+    bev = report["messages_per_bare_events_turn"]
+    assert bev["in"] >= 1 + 11 + 16 and bev["out"] >= 1 + 11 + 16, bev
     # The planner's own client, beside the httpx floor the goal is judged against.
     assert report["direct_aiohttp_p50_ms"] == pytest.approx(rows[4]["p50_ms"], abs=0.002)
     assert report["overhead_vs_aiohttp_p50_ms"] == pytest.approx(
-        rows[6]["p50_ms"] - rows[4]["p50_ms"], abs=0.002)
+        rows[7]["p50_ms"] - rows[4]["p50_ms"], abs=0.002)
     assert set(report) >= {"overhead_p50_ms", "overhead_p50_vs_js_publish", "ratio_p50",
                            "ratio_p99", "early_overhead_p50_ms", "late_overhead_p50_ms",
                            "late_turns_p50_vs_early", "growth_ms_per_100_turns", "goal",
