@@ -271,6 +271,7 @@ class _StdioServer:
         self.returncode: int | None = None
         self.exited = False  # by itself, not stopped by us
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._secrets = server_secrets(cfg)
         self._stopping = False
         self._eof = False  # its stdout ended before we stopped it
 
@@ -410,7 +411,8 @@ class _StdioServer:
     async def _read_stderr(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
         async for raw in _lines(proc.stderr, _STDERR_LINE_BYTES, cut=True):
-            line = raw.decode(errors="replace").rstrip("\r")
+            # A server that complains about its key quoting it: not into our logs.
+            line = str(redact(raw.decode(errors="replace").rstrip("\r"), self._secrets))
             self.stderr_tail.append(line[:_STDERR_LINE_CHARS])
             with contextlib.suppress(OSError, ValueError):  # our own stderr is gone
                 sys.stderr.write(f"[mcp {self.cfg.id}] {line}\n")
@@ -481,6 +483,7 @@ class McpLink:
         self._task: asyncio.Task[None] | None = None
         self._first: asyncio.Future[None] | None = None
         self._refused: int | None = None
+        self._secrets = server_secrets(cfg)
         self.sessions = 0  # sessions opened so far (1 after boot; more after healing)
         self.last_error: str | None = None
 
@@ -596,7 +599,9 @@ class McpLink:
             text = (f"HTTP {self._refused}: the server refused the credentials (check "
                     f"api_key / headers); {text}")
             self._refused = None
-        return text
+        # It goes to logs, the start-up error and calls' errors: a server's error quoting
+        # the key it was sent (`bad credentials Bearer sk-...`) must not take it there.
+        return str(redact(text, self._secrets))
 
     async def _supervise(self) -> None:
         backoff = _BACKOFF_MIN_S

@@ -13,7 +13,10 @@ with a message that never ends; `ok` answers "ok". `--names A,B` lists more tool
 `refloop` / `deep` (1000 levels) / `badschema` give `hostile` such an input schema,
 `listchanged_loop` sends `notifications/tools/list_changed` without pause, `garbage` writes
 lines that are not JSON-RPC before each answer, `fork` starts a daemon holding its stdout,
-`forkdie` does too and exits when `hostile` is called.
+`forkdie` does too and exits when `hostile` is called, `stderrkey` exits at once quoting
+its `TOKEN` variable on stderr. Over HTTP, `--mode initauth` answers `initialize` with an
+error quoting the Authorization header, and `http401` every request with a 401 whose body
+quotes it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def answer(args: argparse.Namespace, body: dict[str, Any], auth: str) -> dict[st
         return None
     params = body.get("params") or {}
     if method == "initialize":
+        if args.mode == "initauth":
+            return {"error": {"code": -32603, "message": f"bad credentials {auth}"}}
         return {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}},
                 "serverInfo": {"name": "hostile", "version": "1"}}
     if method == "tools/list":
@@ -106,6 +111,9 @@ def stdio(args: argparse.Namespace) -> None:
                 out.flush()
 
     import time
+    if args.mode == "stderrkey":  # a server refusing its own key, quoting it
+        print(f"error: token {os.environ.get('TOKEN')} was refused", file=sys.stderr)
+        sys.exit(3)
     if args.mode in ("fork", "forkdie"):
         if os.fork() == 0:  # a daemon: its own session, still holding stdout/stderr
             os.setsid()
@@ -163,6 +171,8 @@ def http(args: argparse.Namespace) -> None:
                                  b'[{"type": "text", "text": "' % body["id"])
             while True:
                 await response.write(b"x" * (1 << 20))
+        if args.mode == "http401":
+            return web.Response(status=401, text=f"bad credentials {auth}")
         result = answer(args, body, auth)
         if result is None:
             return web.Response(status=202)

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from actors.mcp_connector import McpConnector
+from actors.mcp_link import McpLink, McpUnavailableError
 from bus.catalog import Catalog
 from bus.client import ToolbusClient
 from bus.connection import Bus
@@ -26,6 +27,10 @@ from tests.actors.conftest import call_outcome
 from tests.mcp_servers import REPO, SampleServer, http_config, mcp_config
 
 KEY = "sk-hostile-0123456789abcdef"
+
+
+async def _ignore(link: McpLink, tools: list[Any]) -> None:
+    """No catalog: these servers never get that far."""
 
 
 def hostile_stdio(*args: str) -> dict[str, object]:
@@ -71,6 +76,37 @@ async def test_a_key_the_server_quotes_back_is_never_stored(
         assert shown.result == {"headers": {"authorization": "Bearer [redacted]"}}
         stored = msgspec.json.encode([s.event for s in await EventLog(bus).read_session(sid)])
         assert KEY.encode() not in stored
+
+
+@pytest.mark.parametrize("mode", ["initauth", "http401"])
+async def test_a_key_the_server_quotes_back_at_start_up_is_never_shown(
+        mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Its error answering `initialize` (or its 401 page) quotes the Authorization header:
+    # the start-up error is printed by `toolbus up` and logged by a worker.
+    server = await SampleServer("streamable-http", "--mode", mode,
+                                module="tests.hostile_mcp").start()
+    try:
+        link = McpLink(http_config("keyed", server, api_key=KEY), env={}, on_tools=_ignore)
+        with pytest.raises(McpUnavailableError) as err:
+            await link.start()
+    finally:
+        server.stop()
+    assert "MCP server keyed is unreachable" in str(err.value)
+    assert KEY not in str(err.value) and KEY[3:15] not in str(err.value)
+    assert KEY not in capsys.readouterr().err
+
+
+async def test_a_key_a_stdio_server_quotes_on_stderr_is_never_shown(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = mcp_config("keyedio", **hostile_stdio("--mode", "stderrkey"),
+                     env={"TOKEN": KEY})
+    link = McpLink(cfg, env={}, on_tools=_ignore)
+    with pytest.raises(McpUnavailableError) as err:
+        await link.start()
+    assert "its stderr ended with: error: token [redacted] was refused" in str(err.value)
+    passed_on = capsys.readouterr().err
+    assert "[mcp keyedio] error: token [redacted] was refused" in passed_on
+    assert KEY not in passed_on
 
 
 async def test_a_servers_own_minus_32000_error_is_an_error_not_a_dropped_connection(
