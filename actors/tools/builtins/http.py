@@ -26,8 +26,11 @@ host and port (for a tool without `base_url`, a host listed by exact name in
 them. Once a redirect leaves the first hop's origin, no default credential and no
 credential-named call header (Authorization, Cookie, X-Api-Key, Proxy-Authorization) goes
 on for the rest of the chain.
-`default_query` values are shown as REDACTED in URLs the tool reports. No cookie jar is
-kept: one call's cookies never reach another.
+`default_query` values are shown as REDACTED in URLs the tool reports. A credential the
+server quotes back (in its body, or a redirect's Location) is returned as `[redacted]`:
+the values of the secret default headers and of `default_query`, and each of their
+words, of 8 characters or more. No cookie jar is kept: one call's cookies never reach
+another.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ _FRAMING_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "co
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _REDACTED = "REDACTED"
+# Credentials a server quotes back (a 401 page, an echo endpoint) are replaced in what the
+# tool returns; shorter values are no keys, and would take words out of every body.
+_SECRET_MIN_CHARS = 8
+_QUOTED = "[redacted]"
 
 # The addresses vetted for the current task's request, by host name (lowercase). Set
 # around each hop; httpcore connects in the task that sends the request.
@@ -341,6 +348,8 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
     plain_defaults = {k: v for k, v in cfg.default_headers.items()
                       if k.lower() in _PLAIN_HEADERS}
     secret_names = _CREDENTIAL_HEADERS | {k.lower() for k in secret_defaults}
+    secrets = _secret_forms([*secret_defaults.values(),
+                             *(_query_value(v) for v in cfg.default_query.values())])
     seconds = cfg.timeout_ms / 1000
 
     def is_home(url: httpx.URL) -> bool:
@@ -457,6 +466,11 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
             with anyio.fail_after(seconds):
                 status, final, reply, raw, cut = await exchange(
                     http, method, url, content, call_headers, credentials)
+        except ToolError as exc:  # a redirect's Location may quote them too
+            if not any(secret in exc.message for secret in secrets):
+                raise
+            raise ToolError(_unquoted(exc.message, secrets), error_type=exc.error_type,
+                            retryable=exc.retryable) from None
         except (TimeoutError, httpcore.TimeoutException) as exc:
             raise ToolError(f"{method} {shown(url)} did not answer within {cfg.timeout_ms} ms",
                             error_type="timeout", retryable=True) from exc
@@ -474,10 +488,35 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
         if truncated:
             out["truncated"] = True
             out["bytes_read"] = len(raw)
-        return out
+        unquoted: dict[str, Any] = _unquoted(out, secrets)
+        return unquoted
 
     run.__name__ = cfg.name.replace(":", "_").replace("-", "_")
     return LocalTool(spec=spec, fn=run, injected={"http": res})
+
+
+def _secret_forms(values: Iterable[str]) -> list[str]:
+    """What of the tool's credentials a server may quote back: each value, and each word
+    of it (the token of `Bearer <token>`), if long enough to be a key; longest first."""
+    forms = {form for v in values for form in (v, *v.split())
+             if len(form) >= _SECRET_MIN_CHARS}
+    return sorted(forms, key=len, reverse=True)
+
+
+def _unquoted(value: Any, secrets: Sequence[str]) -> Any:
+    """`value` (text, or a decoded JSON body) with every secret replaced."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            if secret in value:
+                value = value.replace(secret, _QUOTED)
+        return value
+    if isinstance(value, dict):
+        return {_unquoted(k, secrets): _unquoted(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unquoted(v, secrets) for v in value]
+    return value
 
 
 def _query_value(v: Any) -> str:

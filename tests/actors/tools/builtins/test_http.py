@@ -29,7 +29,8 @@ SECRETS = ("bearer-s3cret", "key-s3cret", "tenant-s3cret", "query-s3cret")
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
     """Records every request it gets (`server.hits`), and answers:
-    /redirect?to=URL[&status=N] with a redirect, /loop with a redirect to itself, /slow
+    /redirect?to=URL[&status=N] with a redirect, /echo[?as=text] with the headers and path
+    it got (JSON, or text), /loop with a redirect to itself, /slow
     after 1.5 s, /endless with a body that never ends, /typed?type=T&body=B with body B
     (latin-1) as Content-Type T, anything else with a small JSON."""
 
@@ -49,6 +50,12 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         q = parse_qs(url.query)
         if url.path == "/redirect":
             self._redirect(int(q.get("status", ["302"])[0]), q["to"][0])
+        elif url.path == "/echo":  # what it was sent, as a reflecting or chatty API does
+            seen = {"headers": dict(self.headers.items()), "path": self.path}
+            if q.get("as") == ["text"]:
+                self._reply(f"401 bad credentials: {seen}".encode(), "text/plain")
+            else:
+                self._reply(json.dumps(seen).encode())
         elif url.path == "/loop":
             self._redirect(302, "/loop")
         elif url.path == "/typed":
@@ -488,6 +495,23 @@ async def test_a_redirect_loop_stops_and_errors_never_show_secrets(
         await run_tool(slow, {"path": "/slow"})
     assert "appid=REDACTED" in str(err.value)
     assert not [s for s in SECRETS if s in str(err.value)]
+
+
+async def test_credentials_the_server_quotes_back_are_never_returned(
+        a_b: tuple[_RecordingServer, _RecordingServer]) -> None:
+    # An API echoing the request (a 401 page quoting the token, a /headers endpoint) would
+    # put the tool's keys in the call's event, for every client and the model to read.
+    a, _ = a_b
+    t = _secret_tool(a.url)
+    for path in ("/echo", "/echo?as=text"):
+        out = await run_tool(t, {"path": path})
+        assert out["ok"] and sorted(_leaks(a.hits[-1])) == sorted(SECRETS)  # all were sent
+        shown = json.dumps(out)
+        assert not [s for s in SECRETS if s in shown], shown
+        assert "[redacted]" in shown and "toolbus-test" in shown  # a plain header stays
+    with pytest.raises(ToolError) as err:  # a Location quoting one, no URL nor a host
+        await run_tool(t, {"path": _redirect(a, f"http://[{SECRETS[1]}/")})
+    assert SECRETS[1] not in str(err.value) and "[redacted]" in str(err.value)
 
 
 # --- timeouts and caps -------------------------------------------------------------------------
