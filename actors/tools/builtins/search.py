@@ -61,8 +61,10 @@ def search_tool(cfg: WebSearchConfig, *, api_key: str | None) -> LocalTool:
             raise ToolError(f"{cfg.provider} rate limit reached", error_type="rate_limited",
                             retryable=True)
         if not response.is_success:
+            # A proxy's or gateway's error page may quote the request's Authorization.
+            page = response.text.replace(api_key, "[redacted]")
             raise ToolError(f"{cfg.provider} answered HTTP {response.status_code}: "
-                            f"{response.text[:500]}", error_type="http_error",
+                            f"{page[:500]}", error_type="http_error",
                             retryable=response.status_code >= 500)
         body = response.json()
         results = [{"title": r.get("title", ""), "url": r.get("url", ""),

@@ -49,6 +49,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._reply(401, b'{"detail": "bad key"}')
                 return
             q = json.loads(body)
+            if q["query"] == "fail":  # a gateway's error page quoting the request
+                self._reply(502, f"upstream refused Authorization: {auth}".encode())
+                return
             results = [{"title": f"r{i}", "url": f"https://e.com/{i}", "content": q["query"],
                         "score": 0.9} for i in range(q["max_results"])]
             self._reply(200, json.dumps({"answer": "42", "results": results}).encode())

@@ -1,5 +1,5 @@
 """`web_search` against a local server speaking Tavily's search API: a missing key fails
-at once, a wrong key is refused."""
+at once, a wrong key is refused, an error page quoting the key never shows it."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ async def test_web_search_speaks_tavilys_api(http_server) -> None:
     with pytest.raises(ToolError, match="refused the API key") as err:
         await run_tool(bad, {"query": "x"})
     assert err.value.error_type == "auth_failed"
+
+
+async def test_an_error_page_quoting_the_key_never_shows_it(http_server) -> None:
+    t = search_tool(WebSearchConfig(base_url=http_server), api_key="tvly-test")
+    with pytest.raises(ToolError, match="answered HTTP 502") as err:
+        await run_tool(t, {"query": "fail"})
+    assert "tvly-test" not in err.value.message
+    assert "Authorization: Bearer [redacted]" in err.value.message
