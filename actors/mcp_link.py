@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio
 import httpx2
@@ -834,12 +835,16 @@ _SECRET_MIN_CHARS = 8  # shorter values are no keys, and would take words out of
 
 def server_secrets(cfg: McpServerConfig) -> list[str]:
     """What toolbus hands the server that the server must not hand back to the event log
-    (and the model): its `api_key`, and the values of its headers and stdio variables
-    whose names say key, token, secret, password, auth, cookie or credential."""
+    (and the model): its `api_key`, the values of its headers and stdio variables whose
+    names say key, token, secret, password, auth, cookie or credential, and the values of
+    its URL's query."""
     values = [cfg.api_key or ""]
     for name, value in [*cfg.headers.items(), *cfg.env.items()]:
         if _SECRET_NAME.search(name):
             values.append(value)
+    # A key in the URL (`path: /mcp?api_key=...`, as hosted servers often take it):
+    # `describe` never shows the query, and neither may what the server sends back.
+    values += [v for _, v in parse_qsl(urlsplit(cfg.path or "").query)]
     forms = {form for v in values if len(v) >= _SECRET_MIN_CHARS
              for form in (v, repr(v)[1:-1], json.dumps(v)[1:-1])}
     return sorted(forms, key=len, reverse=True)

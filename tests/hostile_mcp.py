@@ -5,7 +5,8 @@ or streamable HTTP (JSON answers):
     python -m tests.hostile_mcp --transport streamable-http --port 8765
 
 Tools: `echo_auth` fails quoting the request's Authorization header, `err_auth` answers a
-JSON-RPC error quoting it, `show_auth` returns it; `busy` answers the JSON-RPC error
+JSON-RPC error quoting it, `show_auth` returns it, `echo_url` fails quoting the URL it was
+sent to (over HTTP); `busy` answers the JSON-RPC error
 -32000 (a server's generic error) after appending a line to `--count`; `endless` answers
 with a message that never ends; `ok` answers "ok". `--names A,B` lists more tools.
 
@@ -30,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 READ_ONLY = {"readOnlyHint": True, "idempotentHint": True}
-TOOLS = ["echo_auth", "err_auth", "show_auth", "busy", "endless", "ok"]
+TOOLS = ["echo_auth", "err_auth", "show_auth", "echo_url", "busy", "endless", "ok"]
 
 
-def answer(args: argparse.Namespace, body: dict[str, Any], auth: str) -> dict[str, Any] | None:
+def answer(args: argparse.Namespace, body: dict[str, Any], auth: str, url: str = ""
+           ) -> dict[str, Any] | None:
     """The answer to one message; None for a notification, "endless" left to the caller."""
     mid, method = body.get("id"), body.get("method")
     if mid is None:
@@ -76,6 +78,9 @@ def answer(args: argparse.Namespace, body: dict[str, Any], auth: str) -> dict[st
     name = params["name"]
     if name == "echo_auth":
         return {"content": [{"type": "text", "text": f"refused: you sent {auth}"}],
+                "isError": True}
+    if name == "echo_url":
+        return {"content": [{"type": "text", "text": f"refused: you asked {url}"}],
                 "isError": True}
     if name == "err_auth":
         return {"error": {"code": -32603, "message": f"bad credentials {auth}"}}
@@ -173,7 +178,7 @@ def http(args: argparse.Namespace) -> None:
                 await response.write(b"x" * (1 << 20))
         if args.mode == "http401":
             return web.Response(status=401, text=f"bad credentials {auth}")
-        result = answer(args, body, auth)
+        result = answer(args, body, auth, str(request.rel_url))
         if result is None:
             return web.Response(status=202)
         return web.json_response(reply(body["id"], result))

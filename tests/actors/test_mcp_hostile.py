@@ -78,6 +78,19 @@ async def test_a_key_the_server_quotes_back_is_never_stored(
         assert KEY.encode() not in stored
 
 
+async def test_a_key_in_the_servers_url_query_is_never_stored_when_quoted_back(
+        bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
+        hostile_http: SampleServer) -> None:
+    # Hosted MCP servers often take the key in the URL (`/mcp?api_key=...`).
+    ns = f"mcpqkey{uuid.uuid4().hex[:6]}"
+    async with connected(bus, system, http_config(ns, hostile_http,
+                                                  path=f"/mcp?api_key={KEY}")):
+        failed = await call_outcome(client, sid, f"{ns}:echo_url", {})
+        assert failed.error.message == "refused: you asked /mcp?api_key=[redacted]"
+        stored = msgspec.json.encode([s.event for s in await EventLog(bus).read_session(sid)])
+        assert KEY.encode() not in stored
+
+
 @pytest.mark.parametrize("mode", ["initauth", "http401"])
 async def test_a_key_the_server_quotes_back_at_start_up_is_never_shown(
         mode: str, capsys: pytest.CaptureFixture[str]) -> None:
