@@ -217,13 +217,14 @@ class ToolbusClient:
         finally:
             w.ready.set()
         if len(self._watchers) > self._max_watched:
-            for sid, old in list(self._watchers.items()):
-                if not old.waiting and not old.injected:
-                    del self._watchers[sid]
-                    for s in old.subs:
-                        with contextlib.suppress(Exception):
-                            await s.unsubscribe()
-                    break
+            # The oldest idle one, found without copying the table (a new session each
+            # call would copy all of it each time).
+            idle = next((sid for sid, old in self._watchers.items()
+                         if not old.waiting and not old.injected), None)
+            if idle is not None:
+                for s in self._watchers.pop(idle).subs:
+                    with contextlib.suppress(Exception):
+                        await s.unsubscribe()
         return w
 
     @contextlib.asynccontextmanager

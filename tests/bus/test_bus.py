@@ -445,3 +445,23 @@ async def test_a_flush_cancelled_before_its_pong_leaves_the_connection_reading(
             await b.nc.flush(timeout=2)  # answered: the connection still reads
     finally:
         await b.close()
+
+
+async def test_a_client_watches_at_most_its_bound_of_sessions(nats_url: str, system: Any,
+                                                              sid: str) -> None:
+    """Past `max_watched_sessions`, each new session's watch drops the oldest idle one,
+    with its subscriptions: a client asking in ever new sessions stays bounded."""
+    own = await connect(nats_url, name="bounded-client")
+    client = ToolbusClient(own, max_watched_sessions=2)
+    try:
+        subs = []
+        for i in range(5):
+            end = await client.call(f"{sid}-{i}", [{"tool": "built-in:echo",
+                                                    "arguments": {"n": i}}])
+            assert end.ok
+            subs.append(len(own.nc._subs))
+        assert client.watched_sessions == [f"{sid}-3", f"{sid}-4"]
+        assert subs[1] > subs[0] and subs[1] == subs[2] == subs[3] == subs[4], subs
+    finally:
+        await client.close()
+        await own.close()
