@@ -21,8 +21,10 @@ _NO_RESPONDERS = "503"  # nobody serves direct gets for that stream: it does not
 
 
 async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, *,
-                       timeout: float = 10.0) -> tuple[list[tuple[int, str, bytes]], int]:
-    """One batched direct get: up to `size` (seq, subject, data) from `start`,
+                       timeout: float = 10.0, max_bytes: int | None = None
+                       ) -> tuple[list[tuple[int, str, bytes]], int]:
+    """One batched direct get: up to `size` (seq, subject, data) from `start`, and about
+    `max_bytes` of them at most (the server sends at least one message, however large),
     and how many more match. A callback subscription, not `next_msg` per message:
     this is what `toolbus replay` and every cold start spend their time in.
     `BusTimeoutError` when nothing of the batch comes for `timeout` seconds (the replica
@@ -62,7 +64,9 @@ async def direct_batch(bus: Bus, stream: str, filt: str, start: int, size: int, 
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=4 * size)
     try:
-        req = {"seq": start, "next_by_subj": filt, "batch": size}
+        req: dict[str, str | int] = {"seq": start, "next_by_subj": filt, "batch": size}
+        if max_bytes is not None:
+            req["max_bytes"] = max_bytes
         subject = f"$JS.API.DIRECT.GET.{stream}"
         with bus.fails_if_denied(subject, done):  # a role that may not read this stream
             await nc.publish(subject, json.dumps(req).encode(), reply=inbox)

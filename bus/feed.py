@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,9 +39,17 @@ QUIET_S: Final = 15.0
 # The largest stream sequence a feed starts after: NATS's are 64-bit, and it answers a
 # read from 2**64 on with nothing at all.
 MAX_SEQ: Final = 2**63 - 1
-# Stored events read per direct get, and how long one may take.
+# Stored events read per direct get (and about how many bytes of them, at least one
+# event), and how long one may take. A feed holds a page while its reader is slow.
 _PAGE: Final = 256
+_PAGE_BYTES: Final = 1024 * 1024
 _READ_TIMEOUT_S: Final = 10.0
+# Pages read at once by the feeds of one process (its event loop). They come on one
+# connection (the gateway's, for all its streams), and NATS cuts off a connection with
+# more than 64 MB waiting to be sent to it as a slow consumer: every feed on it ends.
+READS_AT_ONCE: Final = 8
+_READING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
+    weakref.WeakKeyDictionary()
 # How long a feed waits for a lost connection to come back before it gives up.
 AWAY_S: Final = 30.0
 _TURN_ENDS: Final = frozenset({"turn.completed", "turn.failed", "turn.cancelled"})
@@ -78,6 +87,14 @@ def _turn_of(ids: _Ids) -> str | None:
     if ids.request_id is not None:  # request.rejected
         return turn_id_for(ids.request_id)
     return None
+
+
+def _reading_bound(loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
+    """The bound on pages read at once in this event loop (a semaphore belongs to one)."""
+    bound = _READING.get(loop)
+    if bound is None:
+        bound = _READING[loop] = asyncio.Semaphore(READS_AT_ONCE)
+    return bound
 
 
 class SessionFeed:
@@ -254,9 +271,11 @@ class SessionFeed:
         away_since: float | None = None
         while True:
             try:
-                return await direct_batch(
-                    self._bus, EVENTS_STREAM, session_filter(self._sid), self._last + 1,
-                    _PAGE, timeout=_READ_TIMEOUT_S)
+                async with _reading_bound(loop):
+                    return await direct_batch(
+                        self._bus, EVENTS_STREAM, session_filter(self._sid),
+                        self._last + 1, _PAGE, timeout=_READ_TIMEOUT_S,
+                        max_bytes=_PAGE_BYTES)
             except BusTimeoutError:
                 if (nc.is_connected and away_since is None) or nc.is_closed:
                     raise  # a server gone quiet, or a connection closed for good
@@ -306,4 +325,4 @@ class SessionFeed:
         return FeedItem(seq, ids.type, data, subject)
 
 
-__all__ = ["MAX_DELTAS", "MAX_SEQ", "QUIET_S", "FeedItem", "SessionFeed"]
+__all__ = ["MAX_DELTAS", "MAX_SEQ", "QUIET_S", "READS_AT_ONCE", "FeedItem", "SessionFeed"]

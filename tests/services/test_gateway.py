@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from bus.approvals import ApprovalStore
+from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.server import free_port
 from schemas.errors import ConfigError
@@ -351,6 +352,18 @@ async def test_state_full_puts_back_no_more_than_the_context_tools_read(
         assert calls["r1-1"]["result_ref"]["size"] == 300_002
 
 
+async def large_session(client: ToolbusClient, sid: str, events: int) -> None:
+    """`events` stored events of ~126 KB each (tool events, as any client may inject)."""
+    bound = asyncio.Semaphore(8)
+
+    async def one(i: int) -> None:
+        async with bound:
+            await client.inject(sid, "crm:export", "r" * 63_000,
+                                arguments={"pad": "a" * 63_000}, idempotency_key=f"k{i}")
+
+    await asyncio.gather(*(one(i) for i in range(events)))
+
+
 # --- the OpenAPI document ------------------------------------------------------------------
 
 
@@ -600,3 +613,4 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
+

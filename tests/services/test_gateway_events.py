@@ -17,7 +17,7 @@ import pytest
 
 from actors.planner import Planner
 from bus.client import ToolbusClient
-from bus.connection import Bus
+from bus.connection import Bus, connect
 from bus.server import free_port
 from schemas.events import RequestRejected
 from services import gateway as gateway_module
@@ -25,6 +25,7 @@ from services.event_stream import frame
 from services.gateway import ROLES
 from services.runtime import start_gateway
 from tests.llm_servers import Call, FakeProvider, reply
+from tests.services.test_gateway import large_session
 from tests.services.test_gateway_planner import fake, planner
 
 __all__ = ["fake", "planner"]  # fixtures, shared with the message route's tests
@@ -355,3 +356,35 @@ def test_an_event_s_data_carries_no_raw_terminal_control() -> None:
     assert json.loads(data) == value
     plain = json.dumps({"text": "é 😀"}, ensure_ascii=False).encode()
     assert frame("model.delta", plain) == b"event: model.delta\ndata: " + plain + b"\n\n"
+
+
+async def test_many_streams_of_a_session_of_large_events_keep_the_gateways_connection(
+        nats_url: str, system: dict[str, Any], client: ToolbusClient, sid: str) -> None:
+    # Each stream read the log by pages of 256 events, whatever their size, all at once
+    # over the gateway's one connection: 40 readers of 64 events of 126 KB asked NATS for
+    # 320 MB at once, NATS cut the gateway off as a slow consumer (over its 64 MB pending),
+    # and every stream of every client ended with an `error`.
+    await large_session(client, sid, 64)
+    web_bus = await connect(nats_url, name="tests-gateway")
+    gw, tokens = await _gateway(web_bus)
+    try:
+        async with _web(tokens) as web, asyncio.timeout(60):
+
+            async def read_all() -> list[str]:
+                ids: list[str] = []
+                async with web.stream("GET", f"/sessions/{sid}/events") as got:
+                    assert got.status_code == 200, await got.aread()
+                    async for line in got.aiter_lines():
+                        assert not line.startswith("event: error"), line
+                        if line.startswith("id:"):
+                            ids.append(line)
+                            if len(ids) == 64:
+                                return ids
+                return ids
+
+            read = await asyncio.gather(*(read_all() for _ in range(40)))
+        assert all(len(ids) == 64 for ids in read)
+        assert web_bus.nc.stats["reconnects"] == 0, "the server cut the gateway off"
+    finally:
+        await gw.stop()
+        await web_bus.close()
