@@ -75,6 +75,7 @@ from bus.connection import Bus, as_bus_error
 from bus.feed import MAX_SEQ, SessionFeed
 from bus.subjects import approval_subject
 from schemas.errors import (
+    BusTimeoutError,
     ConfigError,
     InvalidIdError,
     InvalidRequestError,
@@ -108,6 +109,11 @@ MAX_CONNECTIONS: Final = 512
 STALLED_AT_STOP_S: Final = 1.0
 # Event streams (server-sent events) open at once; more are refused (503).
 MAX_STREAMS: Final = 256
+# States too large for one reply, folded from the log here at once: each reads its whole
+# log (tens of MB) on the gateway's one connection, which NATS cuts off as a slow consumer
+# once 64 MB wait for it. The others wait their turn, at most FOLD_WAIT_S (then 503).
+FOLDS_AT_ONCE: Final = 1
+FOLD_WAIT_S: Final = 30.0
 ROLES: Final = ("client", "approver", "admin")
 # Loopback names only: a browser reaching the gateway under any other name came through
 # someone else's DNS.
@@ -708,6 +714,21 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
     approvals = ApprovalStore(bus)
     streams = _Streams(MAX_STREAMS)
     artifacts = ArtifactStore(bus)
+    folding = asyncio.Semaphore(FOLDS_AT_ONCE)
+
+    async def folded(sid: str) -> SessionState:
+        """The session's state, folded here from its log (`FOLDS_AT_ONCE`)."""
+        try:
+            async with asyncio.timeout(FOLD_WAIT_S):
+                await folding.acquire()
+        except TimeoutError:
+            raise BusTimeoutError(f"this state is too large for one reply, and others "
+                                  f"like it were being read from the log for "
+                                  f"{FOLD_WAIT_S:g} s: try again later") from None
+        try:
+            return await client.fold_session(sid)
+        finally:
+            folding.release()
 
     async def resolve(state: SessionState) -> tuple[int, int]:
         """Put results stored by reference back into `state`, as the context tools read
@@ -903,7 +924,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 if exc.code != "too_large":
                     raise
                 # Too large for one reply: the same reducer over the log, here.
-                live = await client.fold_session(sid)
+                live = await folded(sid)
                 headers["X-Toolbus-State-Source"] = "log"
             if full in ("1", "true"):
                 resolved, left = await resolve(live)

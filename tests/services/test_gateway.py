@@ -19,7 +19,7 @@ import pytest
 
 from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
-from bus.connection import Bus
+from bus.connection import Bus, connect
 from bus.server import free_port
 from schemas.errors import ConfigError
 from schemas.events import Event
@@ -362,6 +362,27 @@ async def large_session(client: ToolbusClient, sid: str, events: int) -> None:
                                 arguments={"pad": "a" * 63_000}, idempotency_key=f"k{i}")
 
     await asyncio.gather(*(one(i) for i in range(events)))
+
+
+async def test_states_too_large_for_a_reply_asked_at_once_are_all_answered(
+        nats_url: str, system: dict[str, Any], client: ToolbusClient, sid: str) -> None:
+    # 10 MB of state, over one reply: each asker's state was folded from the log at once,
+    # 20 of them 200 MB through the gateway's one connection; NATS cut it off as a slow
+    # consumer (every stream and call of every client ended) and every asker got a 503.
+    await large_session(client, sid, 80)
+    web_bus = await connect(nats_url, name="tests-gateway")
+    try:
+        async for web in _serve(web_bus):
+            async with web.as_role("client") as c:
+                c.timeout = httpx.Timeout(60)
+                got = await asyncio.gather(*(c.get(f"/sessions/{sid}/state")
+                                             for _ in range(20)))
+        assert [g.status_code for g in got] == [200] * 20, {g.text[:200] for g in got}
+        assert {g.headers["X-Toolbus-State-Source"] for g in got} == {"log"}
+        assert all(len(g.json()["tool_events"]) == 80 for g in got)
+        assert web_bus.nc.stats["reconnects"] == 0, "the server cut the gateway off"
+    finally:
+        await web_bus.close()
 
 
 # --- the OpenAPI document ------------------------------------------------------------------
