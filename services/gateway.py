@@ -65,7 +65,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors import compressor
 from bus.approvals import ApprovalStore
@@ -236,6 +236,35 @@ class _EdgeGuard:
         if headers.get("sec-fetch-site") in ("cross-site", "same-site"):
             return 403, "requests from other web sites are refused"
         return None
+
+
+class _Outage:
+    """A NATS error no route turned into one of ours (nats-py's own: a flush timeout as a
+    stream subscribes, a read timing out), answered 503 here as the routes answer theirs
+    (the connection logs its losses). Starlette's handler for `Exception` answers too, but
+    re-raises, and the server then logs a traceback for what is an outage, not a bug."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            mapped = as_bus_error(exc)
+            if mapped is None or started:
+                raise
+            await _error(503, str(mapped))(scope, receive, send)
 
 
 # --- authentication ------------------------------------------------------------------------
@@ -995,6 +1024,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
     async def health() -> Response:
         return JSONResponse({"ok": True})  # and nothing more: anyone may ask
 
+    app.add_middleware(_Outage)
     if origins:
         # The pages allowed in need CORS answers, and their preflights answered.
         app.add_middleware(CORSMiddleware, allow_origins=sorted(origins),

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import signal
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +22,8 @@ import pytest
 from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
-from bus.server import free_port
+from bus.server import EmbeddedServer, free_port
+from bus.streams import provision
 from schemas.errors import ConfigError
 from schemas.events import Event
 from services import gateway as gateway_module
@@ -635,3 +638,55 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(OSError):
         await writer.wait_closed()
 
+
+# --- NATS away ----------------------------------------------------------------------------
+
+
+async def test_a_nats_outage_is_a_503_on_every_route_without_a_traceback_and_then_passes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A stream opened while NATS did not answer raised nats-py's own errors (a flush
+    # timeout): answered 503 by the handler for `Exception`, which Starlette re-raises,
+    # so the server logged a traceback (`Exception in ASGI application`) for each.
+    server = EmbeddedServer(tmp_path, port=free_port()).start()
+    assert server.process is not None
+    stopped = False
+    # The server's own log: it does not propagate to root, and uvicorn's config, read as
+    # the gateway starts, drops its handlers.
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    try:
+        bus = await connect(server.url_for("actor"), name="tests-gateway")
+        await provision(bus)
+        async for web in _serve(bus):
+            uvicorn_errors.addHandler(caplog.handler)
+            async with web.as_role("admin") as c:
+                c.timeout = httpx.Timeout(60)
+                assert (await c.get("/approvals")).status_code == 200
+                os.kill(server.process.pid, signal.SIGSTOP)
+                stopped = True
+                caplog.clear()
+                got = await asyncio.gather(
+                    c.get("/sessions/s1/events"),
+                    c.post("/sessions/s1/requests?stream=1", json={"message": "hi"}),
+                    c.post("/sessions/s1/requests", json={"calls": [
+                        {"tool": "built-in:echo", "arguments": {"text": "hi"}}]}),
+                    c.get("/sessions/s1/state"), c.get("/approvals"),
+                    c.post("/approvals/s1/c-0", json={"decision": "approve"}))
+                os.kill(server.process.pid, signal.SIGCONT)
+                stopped = False
+                assert [g.status_code for g in got] == [503] * len(got), \
+                    [g.text for g in got]
+                assert all(g.json()["code"] == "unavailable" for g in got)
+                assert not [r.getMessage() for r in caplog.records
+                            if r.levelno >= logging.ERROR or r.exc_info]
+            # NATS back: the gateway serves again (on a new connection: those kept alive
+            # were closed by the gateway after 10 s idle).
+            async with asyncio.timeout(30), web.as_role("admin") as again:
+                # The reconnection is the gateway's: poll it.
+                while (await again.get("/approvals")).status_code != 200:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+        await bus.close()
+    finally:
+        uvicorn_errors.removeHandler(caplog.handler)
+        if stopped:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
