@@ -945,6 +945,9 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
             description="1 or true: put results stored by reference back in")] = None
                     ) -> Response:
         headers: dict[str, str] = {}
+        resolving = _flag(full, "full")
+        if isinstance(resolving, Response):
+            return resolving
         try:
             check_session_id(sid)
             try:
@@ -955,7 +958,7 @@ def build_app(bus: Bus, *, tokens: Mapping[str, str],
                 # Too large for one reply: the same reducer over the log, here.
                 live = await folded(sid)
                 headers["X-Toolbus-State-Source"] = "log"
-            if full in ("1", "true"):
+            if resolving:
                 resolved, left = await resolve(live)
                 headers["X-Toolbus-Resolved-References"] = str(resolved)
                 if left:

@@ -324,6 +324,12 @@ async def test_state_keeps_full_and_its_headers(web: Web, bus: Bus, sid: str) ->
         assert full.status_code == 200
         assert full.headers["X-Toolbus-Resolved-References"] == "1"
         assert full.json()["calls"]["r1-0"]["result"] == "x" * 300_000
+        # As ?stream= takes it: `True` (Python's str(True)) is true, not silently ignored,
+        # and a word it does not know is a 400.
+        capital = await c.get(f"/sessions/{sid}/state", params={"full": "True"})
+        assert capital.headers.get("X-Toolbus-Resolved-References") == "1"
+        odd = await c.get(f"/sessions/{sid}/state", params={"full": "yes"})
+        assert odd.status_code == 400 and "?full=" in odd.json()["error"], odd.text
         assert (await c.get("/sessions/bad%20id/state")).status_code == 400
         bad_id = await c.post("/sessions/bad%20id/requests", json={})
         # Every error answer says {ok, error, code}.
