@@ -115,7 +115,10 @@ class _Watcher:
     callers waiting on them."""
 
     def __init__(self, session_id: str) -> None:
-        self.waiting: dict[str, asyncio.Future[TurnEnd]] = {}
+        # Callers waiting for how a turn (or a request) ended, by turn id: one client may
+        # have several for one turn (a cancel beside the call it stops, the same request
+        # sent again), and each is answered.
+        self.waiting: dict[str, list[asyncio.Future[TurnEnd]]] = {}
         # Callers waiting for a running turn's own end (`turn_end`): a turn's events only,
         # never a request's refusal (a resubmitted request id's `duplicate_request`).
         self.ends: dict[str, asyncio.Future[TurnEnd]] = {}
@@ -156,9 +159,22 @@ class _Watcher:
             return
         else:
             return
-        fut = self.waiting.get(key)
-        if fut is not None and not fut.done():
-            fut.set_result(ev)
+        for fut in self.waiting.get(key, ()):
+            if not fut.done():
+                fut.set_result(ev)
+
+    def wait_for(self, key: str, fut: asyncio.Future[TurnEnd]) -> None:
+        self.waiting.setdefault(key, []).append(fut)
+
+    def stop_waiting(self, key: str, fut: asyncio.Future[TurnEnd]) -> bool:
+        """Forget `fut`; whether no one waits for `key` any more."""
+        futures = self.waiting.get(key, [])
+        if fut in futures:
+            futures.remove(fut)
+        if futures:
+            return False
+        self.waiting.pop(key, None)
+        return True
 
     def _on_tool_event(self, msg: Any) -> None:
         ev = decode_stored(0, msg.subject, msg.data).event
@@ -285,21 +301,32 @@ class ToolbusClient:
         futures: dict[str, asyncio.Future[TurnEnd]] = {key: loop.create_future()
                                                        for key in keys}
         for key, fut in futures.items():
-            watcher.waiting[key] = fut
+            watcher.wait_for(key, fut)
         try:
             async with asyncio.timeout(timeout):
                 await self.submit(session_id, msgspec.json.encode(body), request_id=request_id)
-                done, _ = await asyncio.wait(futures.values(),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                return done.pop().result()
+                while True:
+                    done, _ = await asyncio.wait(futures.values(),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    for key, fut in list(futures.items()):
+                        if fut not in done:
+                            continue
+                        ev = fut.result()
+                        if not (isinstance(ev, RequestRejected) and
+                                ev.request_id != request_id):
+                            return ev
+                        # The turn's own request sent again, refused as a duplicate: not
+                        # how the turn ended.
+                        watcher.stop_waiting(key, fut)
+                        futures[key] = loop.create_future()
+                        watcher.wait_for(key, futures[key])
         except TimeoutError as exc:
             raise BusTimeoutError(
                 f"turn {turn_id} of session {session_id} did not end within {timeout:g} s "
                 "of the request to cancel it: is the session actor running?") from exc
         finally:
             for key, fut in futures.items():
-                if watcher.waiting.get(key) is fut:
-                    del watcher.waiting[key]
+                watcher.stop_waiting(key, fut)
 
     async def check_resent(self, session_id: str, body: bytes, request_id: str) -> bool:
         """For a request sent before (the requests stream took it as a duplicate, or the
@@ -360,7 +387,7 @@ class ToolbusClient:
         # Watch before publishing, so the end of the turn cannot slip past us.
         watcher = await self._watch(session_id)
         fut: asyncio.Future[TurnEnd] = asyncio.get_running_loop().create_future()
-        watcher.waiting[turn_id] = fut
+        watcher.wait_for(turn_id, fut)
         try:
             async with asyncio.timeout(timeout):
                 sub = await self.submit(session_id, body, request_id=request_id)
@@ -385,8 +412,9 @@ class ToolbusClient:
                     found = await self.find_end(session_id, turn_id, full=full)
                     if found is not None:
                         return found
+                    watcher.stop_waiting(turn_id, fut)
                     fut = asyncio.get_running_loop().create_future()
-                    watcher.waiting[turn_id] = fut
+                    watcher.wait_for(turn_id, fut)
         except BusTimeoutError:
             raise  # said what timed out (the requests stream's acknowledgement, a read)
         except TimeoutError as exc:
@@ -403,11 +431,10 @@ class ToolbusClient:
                 "running? A call waiting for a human shows in `toolbus approvals`"
             ) from exc
         finally:
-            watcher.started.discard(turn_id)
-            if watcher.waiting.get(turn_id) is fut:  # not a later waiter's (a cancel's)
-                del watcher.waiting[turn_id]
-            for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
-                del watcher.results[call_id]
+            if watcher.stop_waiting(turn_id, fut):  # the turn's last waiter here
+                watcher.started.discard(turn_id)
+                for call_id in [c for c in watcher.results if _turn_of(c) == turn_id]:
+                    del watcher.results[call_id]
 
     async def _live_end(self, fut: asyncio.Future[TurnEnd]) -> TurnEnd | None:
         """The end `fut` is given from the live subject, or None once the connection came

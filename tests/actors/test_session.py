@@ -15,7 +15,13 @@ from bus.connection import Bus
 from bus.eventlog import EventLog
 from bus.subjects import request_subject
 from schemas.errors import InvalidRequestError
-from schemas.events import CallSucceeded, RequestRejected, TurnCompleted, TurnFailed
+from schemas.events import (
+    CallSucceeded,
+    RequestRejected,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+)
 from schemas.ids import SYSTEM_SESSION
 from tests.conftest import EventWatch, assert_replay_equals_live, of_type, settled_state
 
@@ -399,3 +405,37 @@ async def test_an_event_handed_back_while_its_session_is_being_loaded_is_not_ove
     gate.set()
     await loading
     await _second_fact_folds_both(bus, client, sid, handed_at)
+
+
+# --- one client, several callers waiting for the same turn (found by the planner fuzzer) ----
+
+
+async def test_a_cancel_from_the_same_client_answers_the_caller_waiting_for_the_turn(
+    bus: Bus, client: ToolbusClient, sid: str
+) -> None:
+    # The cancel took the caller's place among the turn's waiters: the caller heard
+    # nothing until its timeout, then blamed a missing server.
+    calls = [{"tool": "testing:sleep", "arguments": {"seconds": 5}}]
+    waiting = asyncio.create_task(client.call(sid, calls, request_id="r-slow", timeout=20))
+    async with EventWatch(bus, sid) as w:
+        await w.until(lambda evs: bool(of_type(evs, "call.started")))
+    stopped = await client.cancel(sid, "r-slow", timeout=10)
+    assert isinstance(stopped, TurnCancelled), stopped
+    async with asyncio.timeout(5):
+        end = await waiting
+    assert end == stopped
+
+
+async def test_the_same_request_waited_for_twice_by_one_client_answers_both(
+    bus: Bus, client: ToolbusClient, sid: str
+) -> None:
+    calls = [{"tool": "testing:sleep", "arguments": {"seconds": 0.5}}]
+    first = asyncio.create_task(client.call(sid, calls, request_id="r-twice", timeout=20))
+    async with EventWatch(bus, sid) as w:
+        await w.until(lambda evs: bool(of_type(evs, "turn.requested")))
+    async with asyncio.timeout(10):
+        again = await client.call(sid, calls, request_id="r-twice", timeout=20)
+        end = await first
+    assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
+    assert again == end
+    await assert_replay_equals_live(bus, client, sid)
