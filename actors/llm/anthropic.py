@@ -8,9 +8,12 @@ Adjacency: every `tool_result` must sit in the user message right after the assi
 message holding its `tool_use`, before any text of that message. So consecutive results
 are grouped into one user message, a result that comes after user text is moved ahead
 of it, and user text after results joins their message (the API would merge two user
-messages anyway). Thinking blocks (`thinking` with its `signature`, `redacted_thinking`)
-ride in the first call's `extra["thinking"]`: with extended thinking on, a replayed
-tool-use turn must start with them.
+messages anyway). The first message is the user's, and the assistant's follow the
+user's: an assistant message with none before it (a tool event injected at the start of
+a session or right after an answer, rendered as the assistant's call) gets a short user
+message first (`TOOLS_FOLLOW`). Thinking blocks (`thinking` with its `signature`,
+`redacted_thinking`) ride in the first call's `extra["thinking"]`: with extended
+thinking on, a replayed tool-use turn must start with them.
 Reply: `content[]` blocks, `stop_reason` (`tool_use`, `end_turn`, `max_tokens`, ...),
 `usage.{input_tokens, output_tokens}` (cache reads and writes are added to the input).
 Stream: `message_start`, `content_block_start`, `content_block_delta` (`text_delta`,
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from actors.llm.convert import (
+    TOOLS_FOLLOW,
     Assembly,
     Names,
     WireMemo,
@@ -111,12 +115,13 @@ class _Messages(Assembly):
     first (the API wants them right after the assistant's calls), then its text. The open
     run is kept apart until something else ends it."""
 
-    __slots__ = ("results", "texts")
+    __slots__ = ("last", "results", "texts")
 
     def __init__(self, names: Names) -> None:
         super().__init__(names)
         self.results: list[Any] | None = None
         self.texts: list[Any] = []
+        self.last: str | None = None  # the role of the latest message in `out`
 
     def push(self, m: Message) -> None:
         if m.role == "system":
@@ -129,7 +134,11 @@ class _Messages(Assembly):
         kind, value = wire
         if kind == "assistant":
             self._close()
+            if self.last != "user":  # the first message, or one after the assistant's
+                self.out.append({"role": "user",
+                                 "content": [{"type": "text", "text": TOOLS_FOLLOW}]})
             self.out.append(value)
+            self.last = "assistant"
             return
         if self.results is None:
             self.results, self.texts = [], []
@@ -139,6 +148,7 @@ class _Messages(Assembly):
         if self.results is not None:
             self.out.append({"role": "user", "content": self.results + self.texts})
             self.results, self.texts = None, []
+            self.last = "user"
 
     def resumed(self) -> _Messages:
         other = super().resumed()

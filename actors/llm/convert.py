@@ -179,6 +179,11 @@ def model_json(text: str | bytes) -> Any:
     raise msgspec.DecodeError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
 
 
+# The user's turn put before an assistant's that has none before it (a tool event
+# injected before the session's first message, or right after an answer, is rendered as
+# the assistant's call): Anthropic refuses a conversation whose first message is not the
+# user's, Gemini a function call turn that does not follow a user turn.
+TOOLS_FOLLOW: Final = "[What tools returned follows.]"
 # What stands for arguments that came as an object nested too deeply to keep.
 TOO_DEEP: Final = f"(a JSON value nested deeper than {MAX_JSON_DEPTH} levels)"
 

@@ -17,6 +17,10 @@ Quirks:
   count); user text after them goes in a content of its own, since Gemini takes a
   content mixing the two for the model's. A result without a tool name is sent with the
   name of the latest call with its id before it.
+- Turn order: a function call turn must come right after a user turn or a function
+  response turn. A model content with none before it (a tool event injected at the start
+  of a session or right after an answer, rendered as the model's call) gets a short user
+  content first (`TOOLS_FOLLOW`).
 - `finishReason` is `STOP` even when calls are present. Thought-summary parts
   (`thought: true`) are not answer text.
 Reply: `candidates[0].content.parts`, `usageMetadata.{promptTokenCount,
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from actors.llm.convert import (
+    TOOLS_FOLLOW,
     Assembly,
     Names,
     WireMemo,
@@ -100,11 +105,12 @@ class _Contents(Assembly):
     anything else is a content of its own. A result without a tool name takes the name of
     the call it answers: the latest call with its id before it (none: an empty name)."""
 
-    __slots__ = ("by_id", "owns_ids", "results")
+    __slots__ = ("by_id", "last", "owns_ids", "results")
 
     def __init__(self, names: Names) -> None:
         super().__init__(names)
         self.results: list[Any] | None = None
+        self.last: str | None = None  # the role of the latest content in `out`
         self.by_id: dict[str, str] = {}
         self.owns_ids = True  # False: `by_id` is shared with the assembly resumed from
 
@@ -127,12 +133,18 @@ class _Contents(Assembly):
             self.results.append(value)
             return
         self._close()
+        if kind == "model" and self.last != "user":
+            # The first content, or one after the model's: Gemini wants a function call
+            # turn right after a user turn (or a function response turn).
+            self.out.append({"role": "user", "parts": [{"text": TOOLS_FOLLOW}]})
         self.out.append(value)
+        self.last = kind
 
     def _close(self) -> None:
         if self.results is not None:
             self.out.append({"role": "user", "parts": self.results})
             self.results = None
+            self.last = "user"
 
     def resumed(self) -> _Contents:
         other = super().resumed()

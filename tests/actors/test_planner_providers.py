@@ -7,6 +7,7 @@ that a replay of the log asks no model."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -548,4 +549,40 @@ async def test_a_blocked_prompt_fails_the_turn_saying_so_and_a_refusal_is_the_an
     else:
         assert isinstance(end, TurnCompleted) and end.text == "I can't help with that.", end
     assert len(fake.requests) == 1  # the same request would end the same way
+    await assert_replay_equals_live(bus, client, sid)
+
+
+# --- injected tool events (found by the planner fuzzer) -----------------------------------
+
+
+@pytest.mark.parametrize("api", [APIS["anthropic"], APIS["gemini"]],
+                         ids=["anthropic", "gemini"])
+async def test_a_tool_event_injected_before_the_first_message_reaches_the_model_validly(
+        bus: Bus, client: ToolbusClient, planner: Planner, api: Api, fake: FakeProvider,
+        sid: str) -> None:
+    # Rendered as the assistant's call and its result, the event made the conversation
+    # start with the assistant (Anthropic: "first message must use the user role"), or a
+    # function call follow the model's answer (Gemini: "function call turn comes
+    # immediately after a user turn"): every later turn of the session failed.
+    await client.inject(sid, "crm:note", {"vip": True}, idempotency_key="k1")
+    fake.script(reply(api.provider, "Noted.", stream=True),
+                reply(api.provider, "Noted again.", stream=True))
+    first = await client.ask(sid, "Who is this?", timeout=60)
+    assert isinstance(first, TurnCompleted) and first.text == "Noted.", first
+    await client.inject(sid, "crm:note", {"vip": False}, idempotency_key="k2")
+    second = await client.ask(sid, "And now?", timeout=60)
+    assert isinstance(second, TurnCompleted) and second.text == "Noted again.", second
+
+    for received in fake.requests:
+        history = api.history(received)
+        roles = [m["role"] for m in history]
+        assert roles[0] == "user", history
+        for before, role in itertools.pairwise(roles):
+            assert not (before == role == ("assistant" if api.provider == "anthropic"
+                                           else "model")), history
+    # The second request: the first turn, then the second event, then the message.
+    history = api.history(fake.requests[1])
+    said = json.dumps(history)
+    assert said.count("vip") == 2
+    assert said.index("vip") < said.index("Noted.") < said.rindex("vip")
     await assert_replay_equals_live(bus, client, sid)

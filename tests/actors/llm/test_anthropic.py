@@ -222,3 +222,21 @@ async def test_a_history_with_tool_blocks_declares_their_tools_when_none_are_off
     fake.script(reply("anthropic", "hi"))
     await complete(settings(fake), system=None, messages=history[:1], tools=[])
     assert "tools" not in fake.requests[1].body and "tool_choice" not in fake.requests[1].body
+
+
+def test_the_first_message_is_the_users_even_after_an_injected_tool_event() -> None:
+    # "messages: first message must use the "user" role" (400): a tool event injected
+    # before the session's first message is rendered as the assistant's call and its
+    # result, and every turn of the session failed `model_error`.
+    injected = [Message(role="assistant", text="", tool_calls=[
+                    ToolCall(id="te-1", name="crm:note", arguments={})]),
+                Message(role="tool", tool_call_id="te-1", name="crm:note", text='{"a":1}')]
+    for messages in ([*injected, Message(role="user", text="Hi.")], injected):
+        request = build(ModelSettings(provider="anthropic", model="claude-x"), system=None,
+                        tools=TOOLS, tool_choice="auto", response_schema=None,
+                        stream=False, messages=messages)
+        sent = request.body["messages"]
+        assert sent[0]["role"] == "user" and sent[0]["content"][0]["type"] == "text", sent
+        assert sent[1]["content"][0]["type"] == "tool_use"
+        assert sent[2]["content"][0] == {"type": "tool_result", "tool_use_id": "te-1",
+                                         "is_error": False, "content": '{"a":1}'}

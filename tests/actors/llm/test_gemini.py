@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from actors.llm import Message, ModelSettings, ToolCall, complete
 from actors.llm.gemini import build
 from tests.actors.llm.conftest import KEY, TOOLS
@@ -184,3 +186,34 @@ async def test_an_empty_reply_for_a_malformed_function_call_is_asked_again(
                             messages=[Message(role="user", text="Time?")], tools=TOOLS)
     assert [c.name for c in answer.tool_calls] == ["clock:now"]
     assert answer.extra["attempts"] == 2
+
+
+def _injected(call_id: str) -> list[Message]:
+    """A tool event injected into a session, as the planner renders it (a call and its
+    result the model never asked for)."""
+    return [Message(role="assistant", text="", tool_calls=[
+                ToolCall(id=call_id, name="crm:note", arguments={})]),
+            Message(role="tool", tool_call_id=call_id, name="crm:note", text='{"a":1}')]
+
+
+def test_a_function_call_comes_after_a_user_turn_even_an_injected_one() -> None:
+    # Gemini refuses a function call turn that does not come right after a user turn or
+    # a function response turn (400 INVALID_ARGUMENT): a tool event injected before the
+    # session's first message, or after an answer, made every later turn of the session
+    # fail `model_error`.
+    for messages in (
+            [*_injected("te-1"), Message(role="user", text="Hi.")],
+            [Message(role="user", text="Hi."), Message(role="assistant", text="Hello."),
+             *_injected("te-2"), Message(role="user", text="And now?")],
+            [*_injected("te-1"), *_injected("te-2")]):
+        request = build(ModelSettings(provider="gemini", model="gemini-x"), system=None,
+                        tools=TOOLS, tool_choice="auto", response_schema=None,
+                        stream=False, messages=messages)
+        contents = request.body["contents"]
+        assert contents[0]["role"] == "user", contents
+        for before, content in itertools.pairwise(contents):
+            if content["role"] == "model":
+                assert before["role"] == "user", contents
+        # Nothing of the conversation is lost.
+        calls = [p for c in contents for p in c["parts"] if "functionCall" in p]
+        assert len(calls) == sum(1 for m in messages if m.tool_calls)
