@@ -45,6 +45,8 @@ ERROR_BODY_LIMIT: Final = 64 * 1024  # bytes of an error body read before giving
 MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
 MAX_CALLS_PER_REPLY: Final = 128
 MAX_CALL_ID_CHARS: Final = 512  # a tool call's id, and its name
+# A call id every API takes back (Anthropic's `tool_use.id` pattern is the narrowest).
+_CALL_ID: Final = re.compile(r"[a-zA-Z0-9_-]+")
 # Levels of JSON in a reply as stored (its calls' arguments at most MAX_JSON_DEPTH of them):
 # deeper, the event might not be read back.
 MAX_REPLY_DEPTH: Final = 2 * MAX_JSON_DEPTH
@@ -202,11 +204,12 @@ def checked(reply: ModelResponse) -> ModelResponse:
 
 
 def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
-    """`reply` with an id of its own for each call: a call with no id, or with the id of
-    a call before it in the reply, gets a deterministic new one. The ids go back to the
-    provider with the results, and every API refuses a conversation whose results do not
-    answer its calls one to one (a server that repeats ids would end the next request in
-    a 400 that names nothing the user did)."""
+    """`reply` with an id of its own for each call: a call with no id, with the id of a
+    call before it in the reply, or with one some API refuses (a space, a control or a
+    bidi character), gets a deterministic new one. The ids go back to the provider with
+    the results, and every API refuses a conversation whose results do not answer its
+    calls one to one (a server that repeats ids would end the next request in a 400 that
+    names nothing the user did)."""
     seen: set[str] = set()
     items: set[str] = set()  # the Responses API's item ids (`fc_...`), sent back too
     calls = list(reply.tool_calls)
@@ -214,7 +217,7 @@ def _with_unique_ids(reply: ModelResponse) -> ModelResponse:
     for i, call in enumerate(calls):
         call_id = call.id
         n = 0
-        while not call_id or call_id in seen:
+        while call_id in seen or not _CALL_ID.fullmatch(call_id):
             call_id = stable_id("call", reply.response_id, i, n, call.name, call.id)
             n += 1
         seen.add(call_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import tracemalloc
 import zlib
@@ -491,6 +492,34 @@ async def test_calls_that_repeat_an_id_or_have_none_get_ids_of_their_own(
     # reply read twice must not differ).
     again, _ = await ask(port, provider)
     assert [c.id for c in again.tool_calls] == first
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_call_ids_no_api_takes_back_get_ids_of_their_own(
+        server: tuple[RawServer, int], provider: str) -> None:
+    # Found by the planner fuzzer: an id with a space, a control or a bidi character was
+    # sent back as it came, and Anthropic refuses a `tool_use.id` outside [a-zA-Z0-9_-]
+    # (400): the turn failed `model_error` for what a server sent.
+    raw, port = server
+    ids = ["toolu_01A-b_9", "id with spaces", "\u202eid", "a\u0000b", "call.1"]
+    if provider == "openai":
+        raw.reply = body(chat({"content": None, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "a__b", "arguments": "{}"}}
+            for i in ids]}))
+    else:
+        raw.reply = body(json.dumps({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "stop_reason": "tool_use", "usage": {"input_tokens": 1, "output_tokens": 1},
+            "content": [{"type": "tool_use", "id": i, "name": "a__b", "input": {}}
+                        for i in ids]}).encode())
+    got, _ = await ask(port, provider)
+    assert not isinstance(got, ModelError), got
+    sent = [c.id for c in got.tool_calls]
+    assert sent[0] == ids[0]  # an id every API takes keeps it
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in sent), sent
+    assert len(set(sent)) == len(ids)
+    again, _ = await ask(port, provider)
+    assert [c.id for c in again.tool_calls] == sent
 
 
 def chat_stream(pieces: list[str]) -> Reply:
