@@ -429,6 +429,11 @@ def decide_tool_event(state: SessionState, tool_event: ToolEventInput, *, now: f
         turn = state.turns[open_id]
         if turn.message is None:
             continue  # explicit calls a client asked for: not the agent's to drop
+        if open_id == turn_id:
+            # Its own turn, stored behind a first decision whose concurrency check failed
+            # (the events pipelined behind the first may be stored): decided again, the
+            # event does not supersede the turn it starts.
+            continue
         out += cancel_turn(state, turn, now=now, reason="superseded", by=event_id,
                            why=f"superseded by tool event {event_id} "
                                f"({tool_event.tool_id}), injected with trigger_processing")

@@ -17,6 +17,7 @@ from actors.compressor import Compression, Compressor
 from actors.context_tools import ContextExecutor
 from actors.llm.types import ModelSettings
 from actors.planner import Planner
+from actors.session import decide_tool_event
 from bus.artifacts import ArtifactStore
 from bus.client import ToolbusClient
 from bus.connection import Bus
@@ -29,8 +30,11 @@ from schemas.events import (
     ToolEventInjected,
     TurnCancelled,
     TurnCompleted,
+    TurnRequested,
 )
 from schemas.ids import client_request_id, tool_event_id
+from schemas.requests import ToolEventInput
+from schemas.state import SessionState, fold
 from tests.actors.test_planner import ScriptedChat, reply
 from tests.conftest import EventWatch, of_type, run_toolbus
 from tests.github import COMMITS
@@ -410,3 +414,24 @@ async def test_a_stored_result_too_large_to_read_reaches_the_model_as_its_size(
     events = [s.event for s in await EventLog(bus).read_session(sid)]
     (compressed,) = [e for e in events if isinstance(e, ResultCompressed)]
     assert compressed.key is None and compressed.chars == 400_002
+
+
+def test_a_tool_event_decided_again_never_cancels_the_turn_it_started() -> None:
+    # Found by the planner fuzzer. The decision's first event (`tool_event.injected`)
+    # failed its concurrency check (the approval actor wrote meanwhile) while the events
+    # pipelined behind it were stored, its `turn.requested` among them; decided again,
+    # the event found that turn open and cancelled it, `superseded` by itself: the
+    # model never read the event it was triggered by.
+    sid = "s-self"
+    event = ToolEventInput(tool_id="crm:note", arguments={}, result={"a": 1},
+                           idempotency_key="k1", trigger_processing=True)
+    first = decide_tool_event(SessionState(session_id=sid), event, now=1.0, request_seq=7,
+                              accept_messages=True)
+    (started,) = [i.event for i in first if isinstance(i.event, TurnRequested)]
+    # Stored: everything but the `tool_event.injected` the check refused.
+    state = fold(sid, ((n, i.event) for n, i in enumerate(first, start=1)
+                       if not isinstance(i.event, ToolEventInjected)))
+    assert started.turn_id in state.open_turns
+    again = decide_tool_event(state, event, now=2.0, request_seq=7, accept_messages=True)
+    assert not [i for i in again if isinstance(i.event, TurnCancelled)], again
+    assert [type(i.event) for i in again] == [ToolEventInjected, TurnRequested]
