@@ -352,7 +352,10 @@ def cancel_turn(state: SessionState, turn: TurnState, *, now: float, reason: str
             out.append(Append(CallFailed(
                 session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=turn.turn_id,
                 error_type="cancelled", message=f"{call.tool} did not run: its turn was {why}"),
-                call_terminal_id(sid, call_id)))
+                call_terminal_id(sid, call_id),
+                # Behind another event, unchecked but for this: the approval actor may
+                # have rejected the call meanwhile (a rejection is its end too).
+                unless_rejected_after=state.last_rejected_seq))
     # The calls' outcomes as they stand: the ones cancelled here are not terminal yet.
     outcomes = [state.calls[c].outcome() for c in turn.call_ids
                 if c in state.calls and state.calls[c].terminal]

@@ -208,6 +208,8 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
     open_turns: list[str] = msgspec.field(default_factory=list)
     # Where the newest `turn.cancelled` that ended a turn is stored (0: none yet).
     last_cancelled_seq: int = 0
+    # Where the newest `call.rejected` is stored (0: none yet), whatever call it names.
+    last_rejected_seq: int = 0
     rejected_requests: int = 0
     # The session's state object: results of calls made with `_outputPath` land here.
     data: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -223,7 +225,8 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 # Bumped whenever the shape of `SessionState` changes, or what folding makes of an event,
 # so that older snapshots are ignored (and the session folded from the log) instead of
 # misread. 9: `set_path` no longer writes into an earlier result (`p`, then `p.q`).
-STATE_VERSION = 9
+# 10: `last_rejected_seq`.
+STATE_VERSION = 10
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
@@ -273,6 +276,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 if turn is not None and event.call_id not in turn.call_ids:
                     turn.call_ids.append(event.call_id)
         case CallRejected():
+            state.last_rejected_seq = seq
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
                 call.status = "rejected"

@@ -10,19 +10,26 @@ from typing import Any
 import msgspec
 import pytest
 
+from actors.session import decide_tool_event
 from bus.client import ToolbusClient
 from bus.connection import Bus
-from bus.eventlog import EventLog
+from bus.eventlog import Append, EventLog
 from bus.subjects import request_subject
-from schemas.errors import InvalidRequestError
+from schemas.errors import ConcurrencyError, InvalidRequestError
 from schemas.events import (
+    CallFailed,
+    CallRejected,
+    CallRequested,
     CallSucceeded,
     RequestRejected,
     TurnCancelled,
     TurnCompleted,
     TurnFailed,
+    TurnRequested,
 )
-from schemas.ids import SYSTEM_SESSION
+from schemas.ids import SYSTEM_SESSION, call_requested_id, turn_requested_id
+from schemas.requests import ToolEventInput
+from schemas.state import fold
 from tests.conftest import EventWatch, assert_replay_equals_live, of_type, settled_state
 
 
@@ -439,3 +446,37 @@ async def test_the_same_request_waited_for_twice_by_one_client_answers_both(
     assert isinstance(end, TurnCompleted) and end.outcomes[0].status == "succeeded", end
     assert again == end
     await assert_replay_equals_live(bus, client, sid)
+
+
+async def test_a_call_rejected_while_its_turn_is_superseded_ends_once(
+    bus: Bus, system: dict[str, Any], sid: str
+) -> None:
+    # Found by the planner fuzzer: a tool event with trigger_processing, decided on a
+    # state from before the approval actor rejected a call of the turn in flight, stored
+    # the call's `call.failed` (`cancelled`) behind its first event, whose concurrency
+    # check failed: the call ended twice. Now that failure is guarded too.
+    log = EventLog(bus)
+    turn_id, call_id = "t1", "t1-0"
+    await log.append(Append(TurnRequested(session_id=sid, at=1.0, actor="test",
+                                          turn_id=turn_id, request_id=turn_id,
+                                          call_ids=[], message="Do it."),
+                            turn_requested_id(sid, turn_id)))
+    await log.append(Append(CallRequested(session_id=sid, at=1.0, actor="test",
+                                          call_id=call_id, turn_id=turn_id,
+                                          tool="nosuch:tool", arguments={}),
+                            call_requested_id(sid, call_id)))
+    async with EventWatch(bus, sid) as w:  # the approval actor knows no such tool
+        await w.until(lambda evs: bool(of_type(evs, "call.rejected")))
+    stored = await log.read_session(sid)
+    stale = fold(sid, ((s.seq, s.event) for s in stored
+                       if s.event and not isinstance(s.event, CallRejected)))
+    assert stale.calls[call_id].status == "requested"
+    items = decide_tool_event(stale, ToolEventInput(
+        tool_id="crm:note", arguments={}, result={}, idempotency_key="k",
+        trigger_processing=True), now=2.0, request_seq=1, accept_messages=True)
+    assert any(isinstance(i.event, CallFailed) for i in items)
+    with pytest.raises(ConcurrencyError):
+        await log.append_decision(items, expect_last=stale.last_seq)
+    ends = [s.event for s in await log.read_session(sid)
+            if isinstance(s.event, CallRejected | CallFailed | CallSucceeded)]
+    assert [type(e) for e in ends] == [CallRejected]
