@@ -294,6 +294,8 @@ def decide(state: SessionState, *, now: float, max_parallel: int = 3) -> list[Ap
             out.append(Append(ev, turn_ended_id(sid, turn_id)))
             continue
         out.extend(due_in_turn(state, turn, max_parallel, now))
+    if state.orphans:
+        out.extend(orphans_due(state, now=now))
     return out
 
 
@@ -336,35 +338,50 @@ def decide_request(state: SessionState, request: Request, request_id: str, *, no
     return [Append(rejected, request_rejected_id(request_seq))]
 
 
-CANCELLABLE = frozenset({"requested", "awaiting_approval", "approved"})
+# Decided, not dispatched: a call still `requested` is the approval actor's to decide.
+CANCELLABLE = frozenset({"awaiting_approval", "approved"})
 
 
 def cancel_turn(state: SessionState, turn: TurnState, *, now: float, reason: str, by: str,
                 why: str) -> list[Append]:
-    """A running turn ended early: its calls not yet dispatched `call.failed`
-    `cancelled` ("<tool> did not run: its turn was <why>"), then `turn.cancelled`. Calls
-    already running finish and are recorded, but nothing acts on them."""
+    """A running turn ended early: `turn.cancelled`, then its calls not yet dispatched
+    `call.failed` `cancelled` ("<tool> did not run: its turn was <why>"). Calls already
+    running finish and are recorded, but nothing acts on them. A call the approval actor
+    has not decided yet is failed once it has (`orphans_due`): failed now, it could end
+    twice, rejected there too. The turn's end comes first, so that the planner never takes
+    the failures for the end of an iteration and asks its model again."""
     sid = state.session_id
-    out: list[Append] = []
-    for call_id in turn.call_ids:
-        call = state.calls.get(call_id)
-        if call is not None and call.status in CANCELLABLE:
-            out.append(Append(CallFailed(
-                session_id=sid, at=now, actor=ACTOR, call_id=call_id, turn_id=turn.turn_id,
-                error_type="cancelled", message=f"{call.tool} did not run: its turn was {why}"),
-                call_terminal_id(sid, call_id),
-                # Behind another event, unchecked but for this: the approval actor may
-                # have rejected the call meanwhile (a rejection is its end too).
-                unless_rejected_after=state.last_rejected_seq))
     # The calls' outcomes as they stand: the ones cancelled here are not terminal yet.
     outcomes = [state.calls[c].outcome() for c in turn.call_ids
                 if c in state.calls and state.calls[c].terminal]
-    out.append(Append(TurnCancelled(
+    out = [Append(TurnCancelled(
         session_id=sid, at=now, actor=ACTOR, turn_id=turn.turn_id, request_id=turn.request_id,
         reason=reason, by=by, message=f"{why}; calls already running finish and are "
         "recorded, nothing acts on them", outcomes=outcomes),
-        turn_ended_id(sid, turn.turn_id)))
+        turn_ended_id(sid, turn.turn_id))]
+    for call_id in turn.call_ids:
+        call = state.calls.get(call_id)
+        if call is not None and call.status in CANCELLABLE:
+            out.append(_cancelled(state, call, why, now=now))
     return out
+
+
+def _cancelled(state: SessionState, call: CallState, why: str, *, now: float) -> Append:
+    # The terminal id every writer of a decided call's end shares (an executor, the
+    # approval actor's timeout, a denial): whoever is first, the call ends once.
+    return Append(CallFailed(
+        session_id=state.session_id, at=now, actor=ACTOR, call_id=call.call_id,
+        turn_id=call.turn_id, error_type="cancelled",
+        message=f"{call.tool} did not run: its turn was {why}"),
+        call_terminal_id(state.session_id, call.call_id))
+
+
+def orphans_due(state: SessionState, *, now: float) -> list[Append]:
+    """The calls of cancelled turns the approval actor has decided since: failed
+    `cancelled` (a cancellation stored on a state that missed a call leaves it to this)."""
+    return [_cancelled(state, call, "cancelled", now=now) for call in
+            (state.calls[c] for c in state.orphans if c in state.calls)
+            if call.status in CANCELLABLE or call.status == "denied"]
 
 
 def decide_cancel(state: SessionState, turn_id: str, request_id: str, *,

@@ -58,18 +58,6 @@ class Append:
     # `turn.cancelled` is still at this sequence (0: none), so that a decision taken on a
     # state a cancellation has overtaken stores none of its calls (see `append_decision`).
     unless_cancelled_after: int | None = None
-    # Likewise, stored only if the session's last `call.rejected` is still at this
-    # sequence: a call ended on a state that an approval actor's rejection has overtaken
-    # (a cancelled turn's call not dispatched yet) does not end twice.
-    unless_rejected_after: int | None = None
-
-    def guard(self) -> tuple[int, str] | None:
-        """(sequence, event type) of the guard of an event not first in its decision."""
-        if self.unless_cancelled_after is not None:
-            return self.unless_cancelled_after, "turn.cancelled"
-        if self.unless_rejected_after is not None:
-            return self.unless_rejected_after, "call.rejected"
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,13 +300,12 @@ class EventLog:
         # harmless, because a decision's events have deterministic ids and the
         # re-decision after a re-read writes the same ids (deduplicated) and the reducer
         # accepts either order. Every event is prepared (size-checked) before any is sent.
-        # The rest may carry a guard of their own: no `turn.cancelled` (or `call.rejected`)
-        # stored since.
-        guards = [None if i == 0 else item.guard() for i, item in enumerate(items)]
-        expects = [expect_last if i == 0 else None if guard is None else guard[0]
-                   for i, guard in enumerate(guards)]
-        subjects = [None if guard is None else event_filter(item.event.session_id, guard[1])
-                    for item, guard in zip(items, guards, strict=True)]
+        # The rest may carry a guard of their own: no `turn.cancelled` stored since.
+        expects = [expect_last if i == 0 else item.unless_cancelled_after
+                   for i, item in enumerate(items)]
+        subjects = [None if i == 0 or item.unless_cancelled_after is None else
+                    event_filter(item.event.session_id, "turn.cancelled")
+                    for i, item in enumerate(items)]
         more = [{**(headers or {}), Header.MORE.value: str(len(items) - 1 - i)}
                 if i < len(items) - 1 else headers for i in range(len(items))]
         prepared = [self._prepare(item, expect, subject, extra)

@@ -208,8 +208,10 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
     open_turns: list[str] = msgspec.field(default_factory=list)
     # Where the newest `turn.cancelled` that ended a turn is stored (0: none yet).
     last_cancelled_seq: int = 0
-    # Where the newest `call.rejected` is stored (0: none yet), whatever call it names.
-    last_rejected_seq: int = 0
+    # Calls of cancelled turns not ended yet, the session actor ends them once the
+    # approval actor has decided (a call not decided is never failed, so that it cannot
+    # end twice: its rejection is the approval actor's to store).
+    orphans: list[str] = msgspec.field(default_factory=list)
     rejected_requests: int = 0
     # The session's state object: results of calls made with `_outputPath` land here.
     data: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -225,7 +227,7 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 # Bumped whenever the shape of `SessionState` changes, or what folding makes of an event,
 # so that older snapshots are ignored (and the session folded from the log) instead of
 # misread. 9: `set_path` no longer writes into an earlier result (`p`, then `p.q`).
-# 10: `last_rejected_seq`.
+# 10: `orphans`.
 STATE_VERSION = 10
 
 
@@ -275,10 +277,12 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 # A planner's calls join the turn as the model asks for them.
                 if turn is not None and event.call_id not in turn.call_ids:
                     turn.call_ids.append(event.call_id)
+                if turn is not None and turn.status == "cancelled":
+                    state.orphans.append(event.call_id)  # stored past its turn's end
         case CallRejected():
-            state.last_rejected_seq = seq
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
+                _ended(state, event.call_id)
                 call.status = "rejected"
                 call.result_seq = seq
                 call.rule = event.rule
@@ -324,6 +328,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
         case CallSucceeded():
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
+                _ended(state, event.call_id)
                 call.status = "succeeded"
                 call.result = event.result
                 call.result_ref = event.result_ref
@@ -336,6 +341,7 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
         case CallFailed():
             call = calls.get(event.call_id)
             if call is not None and not call.terminal:
+                _ended(state, event.call_id)
                 call.status = "failed"
                 call.result_seq = seq
                 call.error = ErrorInfo(
@@ -405,6 +411,8 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
                 state.last_cancelled_seq = seq
                 if event.turn_id in state.open_turns:
                     state.open_turns.remove(event.turn_id)
+                state.orphans += [c for c in turn.call_ids
+                                  if c in calls and not calls[c].terminal]
         case ResultCompressed():
             call = calls.get(event.call_id)
             if call is not None and call.view is None:
@@ -422,6 +430,11 @@ def evolve(state: SessionState, event: Event, seq: int) -> SessionState:
         case RequestRejected():
             state.rejected_requests += 1
     return state
+
+
+def _ended(state: SessionState, call_id: str) -> None:
+    if state.orphans and call_id in state.orphans:
+        state.orphans.remove(call_id)
 
 
 def set_path(data: dict[str, Any], path: str, value: Any) -> None:

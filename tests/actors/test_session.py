@@ -10,13 +10,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.session import decide_tool_event
+from actors.session import decide, decide_cancel, decide_tool_event
 from bus.client import ToolbusClient
 from bus.connection import Bus
 from bus.eventlog import Append, EventLog
 from bus.subjects import request_subject
 from schemas.errors import ConcurrencyError, InvalidRequestError
 from schemas.events import (
+    CallApproved,
     CallFailed,
     CallRejected,
     CallRequested,
@@ -27,9 +28,15 @@ from schemas.events import (
     TurnFailed,
     TurnRequested,
 )
-from schemas.ids import SYSTEM_SESSION, call_requested_id, turn_requested_id
+from schemas.ids import (
+    SYSTEM_SESSION,
+    call_requested_id,
+    call_terminal_id,
+    turn_ended_id,
+    turn_requested_id,
+)
 from schemas.requests import ToolEventInput
-from schemas.state import fold
+from schemas.state import evolve, fold
 from tests.conftest import EventWatch, assert_replay_equals_live, of_type, settled_state
 
 
@@ -454,7 +461,8 @@ async def test_a_call_rejected_while_its_turn_is_superseded_ends_once(
     # Found by the planner fuzzer: a tool event with trigger_processing, decided on a
     # state from before the approval actor rejected a call of the turn in flight, stored
     # the call's `call.failed` (`cancelled`) behind its first event, whose concurrency
-    # check failed: the call ended twice. Now that failure is guarded too.
+    # check failed: the call ended twice. A call the approval actor has not decided is
+    # no longer failed by a cancellation; it is once decided (`orphans_due`).
     log = EventLog(bus)
     turn_id, call_id = "t1", "t1-0"
     await log.append(Append(TurnRequested(session_id=sid, at=1.0, actor="test",
@@ -474,9 +482,42 @@ async def test_a_call_rejected_while_its_turn_is_superseded_ends_once(
     items = decide_tool_event(stale, ToolEventInput(
         tool_id="crm:note", arguments={}, result={}, idempotency_key="k",
         trigger_processing=True), now=2.0, request_seq=1, accept_messages=True)
-    assert any(isinstance(i.event, CallFailed) for i in items)
     with pytest.raises(ConcurrencyError):
         await log.append_decision(items, expect_last=stale.last_seq)
     ends = [s.event for s in await log.read_session(sid)
             if isinstance(s.event, CallRejected | CallFailed | CallSucceeded)]
     assert [type(e) for e in ends] == [CallRejected]
+    # No planner turn is left open, for the planner of a later test to plan.
+    state = fold(sid, ((s.seq, s.event) for s in await log.read_session(sid)))
+    for open_id in state.open_turns:
+        await log.append(Append(TurnCancelled(
+            session_id=sid, at=3.0, actor="test", turn_id=open_id, request_id=open_id,
+            reason="cancelled", message="the test is over"), turn_ended_id(sid, open_id)))
+
+
+def test_a_call_decided_after_its_turn_was_cancelled_is_failed_then() -> None:
+    # Found by the planner fuzzer: a cancellation whose first event failed its check
+    # stored the `turn.cancelled` pipelined behind it; decided again, the turn had ended,
+    # and its call, approved meanwhile, was never ended. A cancelled turn's calls that
+    # have not ended are kept (`orphans`) and failed once decided.
+    sid = "s-orphan"
+    turn = TurnRequested(session_id=sid, at=1.0, actor="test", turn_id="t1",
+                         request_id="t1", call_ids=[], message="Do it.")
+    requested = CallRequested(session_id=sid, at=1.0, actor="test", call_id="t1-0",
+                              turn_id="t1", tool="testing:probe", arguments={})
+    state = fold(sid, [(1, turn), (2, requested)])
+    items = decide_cancel(state, "t1", "stop-1", reason=None, now=2.0, subject="s",
+                          request_seq=9)
+    # Not decided yet: only the turn's end, first.
+    assert [type(i.event) for i in items] == [TurnCancelled]
+    state = fold(sid, [(1, turn), (2, requested), (3, items[0].event)])
+    assert state.orphans == ["t1-0"] and decide(state, now=3.0) == []
+    approved = CallApproved(session_id=sid, at=3.0, actor="approval", call_id="t1-0",
+                            turn_id="t1", tool="testing:probe", rule="auto",
+                            arguments={}, route="default")
+    state = evolve(state, approved, 4)
+    (failed,) = decide(state, now=4.0)
+    assert isinstance(failed.event, CallFailed) and failed.event.error_type == "cancelled"
+    assert failed.msg_id == call_terminal_id(sid, "t1-0")  # the executor's, the timeout's
+    state = evolve(state, failed.event, 5)
+    assert state.orphans == [] and decide(state, now=5.0) == []
