@@ -23,7 +23,7 @@ import contextlib
 import json
 import socket
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
@@ -80,6 +80,8 @@ class FakeProvider:
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
+        # Answers each request in place of the script when set (the fuzzer's model).
+        self.respond: Callable[[Received], Step] | None = None
 
     # --- the script ------------------------------------------------------------------
 
@@ -143,7 +145,8 @@ class FakeProvider:
             query=parse_qs(scope["query_string"].decode()),
             headers={k.decode().lower(): v.decode() for k, v in scope["headers"]},
             body=body, raw=raw))
-        step = self.steps.popleft() if self.steps else Step(
+        step = self.respond(self.requests[-1]) if self.respond is not None else \
+            self.steps.popleft() if self.steps else Step(
             status=418, body={"error": {"message": "the fake provider has no step left "
                                                   "in its script", "type": "script_empty"}})
         if step.delay_s:
