@@ -29,14 +29,15 @@ async def test_hostile_model_output_and_clients_never_break_a_turn(
         async with fuzz_planner(bus, system, provider, SEED) as model:
             report = await fuzz(bus, client, model, sessions=SESSIONS, seed=SEED,
                                 errors=errors)
-            # A replay asks no model.
-            before = len(model.fake.requests)
-            out = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "services.cli", "replay",
-                                 report.sessions[0], "--nats", nats_url],
-                capture_output=True, text=True, timeout=60, cwd=REPO)
-            assert out.returncode == 0, out.stderr
-            assert len(model.fake.requests) == before
+            if provider == PROVIDERS.split(",")[0]:  # reading the log is the same for all
+                # `toolbus replay` asks no model.
+                before = len(model.fake.requests)
+                out = await asyncio.to_thread(
+                    subprocess.run, [sys.executable, "-m", "services.cli", "replay",
+                                     report.sessions[0], "--nats", nats_url],
+                    capture_output=True, text=True, timeout=60, cwd=REPO)
+                assert out.returncode == 0, out.stderr
+                assert len(model.fake.requests) == before
     for note in report.notes:
         print(f"{provider}: {note}")
     problems = report.problems()
