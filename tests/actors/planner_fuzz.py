@@ -412,7 +412,7 @@ def _chat_faults(body: dict[str, Any]) -> list[str]:
             ids = [c.get("id") for c in calls]
             if len(set(ids)) != len(ids) or not all(isinstance(x, str) and x for x in ids):
                 faults.append(f"messages[{i}]: tool call ids empty or repeated: {ids}")
-            if not calls and not m.get("content"):
+            if not calls and m.get("content") is None:  # "" is taken
                 faults.append(f"messages[{i}]: an assistant message with neither content "
                               "nor tool_calls")
             for c in calls:
@@ -602,9 +602,10 @@ class FuzzModel:
 
 # --- the planner under test --------------------------------------------------------------
 
-def manifest_text(provider: str, base_url: str) -> str:
+def manifest_text(provider: str, base_url: str, mode: str = "native") -> str:
     return (
         "agent_config:\n"
+        f"  mode: {mode}\n"
         "  model:\n"
         f"    provider: {provider}\n"
         "    model: m\n"
@@ -625,11 +626,11 @@ def manifest_text(provider: str, base_url: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def fuzz_planner(bus: Bus, system: dict[str, Any], provider: str, seed: int
-                       ) -> AsyncIterator[FuzzModel]:
+async def fuzz_planner(bus: Bus, system: dict[str, Any], provider: str, seed: int,
+                       mode: str = "native") -> AsyncIterator[FuzzModel]:
     async with FakeProvider() as fake:
         model = FuzzModel(fake, provider, seed)
-        manifest = parse_manifest(manifest_text(provider, fake.base_url(provider)),
+        manifest = parse_manifest(manifest_text(provider, fake.base_url(provider), mode),
                                   env={"FUZZ_KEY": "fuzz-key-0123456789abcdef"})
         actor = await start_planner(bus, ActorSettings(
             manifest=manifest, instance=f"fz-{uuid.uuid4().hex[:6]}", ack_wait_s=2.0))

@@ -1,5 +1,6 @@
 """The planner fuzzed (tests/actors/planner_fuzz.py): a short seeded run per provider.
-`FUZZ_SESSIONS`, `FUZZ_SEED` and `FUZZ_PROVIDERS` (comma-separated) make longer runs."""
+`FUZZ_SESSIONS`, `FUZZ_SEED`, `FUZZ_PROVIDERS` (comma-separated) and `FUZZ_MODE`
+(`composed`) make other runs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.conftest import REPO
 PROVIDERS = os.environ.get("FUZZ_PROVIDERS", "openai,anthropic,openai-responses,gemini")
 SESSIONS = int(os.environ.get("FUZZ_SESSIONS", "6"))
 SEED = int(os.environ.get("FUZZ_SEED", "1"))
+MODE = os.environ.get("FUZZ_MODE", "native")  # or composed (seed 001)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS.split(","))
@@ -26,7 +28,7 @@ async def test_hostile_model_output_and_clients_never_break_a_turn(
         bus: Bus, client: ToolbusClient, system: dict[str, Any], provider: str,
         nats_url: str) -> None:
     with logged_errors() as errors:
-        async with fuzz_planner(bus, system, provider, SEED) as model:
+        async with fuzz_planner(bus, system, provider, SEED, MODE) as model:
             report = await fuzz(bus, client, model, sessions=SESSIONS, seed=SEED,
                                 errors=errors)
             if provider == PROVIDERS.split(",")[0]:  # reading the log is the same for all
