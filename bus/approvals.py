@@ -17,6 +17,14 @@ from schemas.policy import PendingApproval
 _decoder = msgspec.json.Decoder(PendingApproval)
 _encoder = msgspec.json.Encoder()
 
+# How long the marker a decided (or dropped) approval leaves in the bucket lives. A KV
+# delete marker is kept forever: one per approval ever decided, each read again by every
+# watcher that starts (the approval actor, the gateway, `toolbus approvals`). A purge
+# marker with a per-message TTL goes away by itself, and a watcher that starts after it
+# never needed it; one that was away longer than this (and resumes from where it was)
+# could keep showing the approval as pending, so it is hours, not seconds.
+MARKER_TTL_S = 3600.0
+
 
 def _key(session_id: str, call_id: str) -> str:
     return f"{session_id}.{call_id}"
@@ -43,7 +51,7 @@ class ApprovalStore:
     async def delete(self, session_id: str, call_id: str) -> None:
         kv = await self._watched.bucket()
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            await kv.delete(_key(session_id, call_id))
+            await kv.purge(_key(session_id, call_id), msg_ttl=MARKER_TTL_S)
 
     async def load(self) -> list[PendingApproval]:
         """A one-shot read, for the CLI."""

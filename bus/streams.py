@@ -188,11 +188,15 @@ async def provision(bus: Bus, *, replicas: int | None = None,
                                               direct=True, replicas=n)
             # Direct gets, so the read-only roles read entries without consumers (older
             # installs created the buckets without them).
+            # Per-message TTLs too, for the approvals' purge markers (bus/approvals.py);
+            # buckets made by older clients lack them, and they can be turned on in place.
             info = await bus.js.stream_info(f"KV_{bucket}")
             wanted = n if rescale else (info.config.num_replicas or 1)
-            if not info.config.allow_direct or (info.config.num_replicas or 1) != wanted:
+            if not info.config.allow_direct or not info.config.allow_msg_ttl or \
+                    (info.config.num_replicas or 1) != wanted:
                 await bus.js.update_stream(dataclasses.replace(
-                    info.config, allow_direct=True, num_replicas=wanted))
+                    info.config, allow_direct=True, allow_msg_ttl=True,
+                    num_replicas=wanted))
         try:
             await bus.js.object_store(ARTIFACTS_BUCKET)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):

@@ -14,13 +14,15 @@ from typing import Any
 
 import pytest
 
+from bus import approvals
+from bus.approvals import ApprovalStore
 from bus.client import ToolbusClient
 from bus.connection import Bus
-from bus.subjects import approval_subject
+from bus.subjects import APPROVALS_BUCKET, approval_subject
 from schemas.errors import ManifestError
 from schemas.events import Event, TurnCompleted, TurnFailed
 from schemas.manifest import parse_manifest
-from schemas.policy import Policy, evaluate, risk_score
+from schemas.policy import PendingApproval, Policy, evaluate, risk_score
 from schemas.tools import Annotations, ToolSpec
 from tests.conftest import EventWatch, of_type, run_toolbus, settled_state, toolbus_cmd
 
@@ -403,3 +405,56 @@ def test_the_inline_path_writes_the_same_events_in_one_round_trip() -> None:
                    ("call.rejected", "s:r1-2:policy"),   # unknown tool
                    ("call.dispatched", "s:r1-0:dispatch")]
     # shop:order needs a human: left to the approval actor's consumer, which records it.
+
+
+# --- the approvals bucket stays the size of what is waiting ---------------------------------
+
+
+async def _approval_subjects(bus: Bus, prefix: str) -> dict[str, int]:
+    info = await bus.js.stream_info(f"KV_{APPROVALS_BUCKET}",
+                                    subjects_filter=f"$KV.{APPROVALS_BUCKET}.{prefix}.>")
+    return dict(info.state.subjects or {})
+
+
+async def test_a_decided_approval_leaves_only_a_marker_that_expires(bus, client, sid) -> None:
+    # A delete marker per decided approval stayed forever (a soak: 1 message per approval,
+    # replayed by every watcher that starts): each leaves a purge marker with a TTL.
+    decided = []
+    for n in range(3):
+        decision, task = await _decision(bus, client, sid, "approvals:write",
+                                         {"text": str(n)}, wait_end=False)
+        await bus.request(approval_subject(sid, decision.call_id, "tester"),
+                          b'{"decision": "approve", "by": "ada"}', timeout=5)
+        await task
+        decided.append(decision.call_id)
+    assert set(await _approval_subjects(bus, sid)) == {
+        f"$KV.{APPROVALS_BUCKET}.{sid}.{c}" for c in decided}
+    for call_id in decided:
+        marker = await bus.js.get_last_msg(f"KV_{APPROVALS_BUCKET}",
+                                           f"$KV.{APPROVALS_BUCKET}.{sid}.{call_id}")
+        assert marker.headers is not None and marker.headers["KV-Operation"] == "PURGE"
+        assert marker.headers["Nats-TTL"] == str(int(approvals.MARKER_TTL_S))
+
+
+async def test_approval_markers_leave_the_bucket_empty_once_their_ttl_passed(
+        bus, monkeypatch) -> None:
+    monkeypatch.setattr(approvals, "MARKER_TTL_S", 1.0)
+    store = ApprovalStore(bus)
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    for n in range(20):
+        await store.put(PendingApproval(session_id=prefix, call_id=f"c{n}", turn_id="t",
+                                        tool="approvals:write", arguments={}, rule="r",
+                                        reason="r", risk=5, requested_at=0.0,
+                                        expires_at=1e12))
+        await store.delete(prefix, f"c{n}")
+    assert len(await _approval_subjects(bus, prefix)) == 20
+    async with asyncio.timeout(15):  # the server expires them (1 s, checked every second)
+        while True:  # nothing to wait on: the server removes them without a word
+            if not await _approval_subjects(bus, prefix):
+                break
+            await asyncio.sleep(0.2)
+    await store.start()
+    try:
+        assert not [p for p in store.pending() if p.session_id == prefix]
+    finally:
+        await store.stop()
