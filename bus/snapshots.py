@@ -19,9 +19,8 @@ from schemas.state import STATE_VERSION, SessionState
 
 log = logging.getLogger("toolbus.bus")
 
-# Larger states are not snapshotted: a KV value must fit the server's max payload, and
-# folding the tail of such a session is cheap next to moving megabytes.
-MAX_SNAPSHOT_BYTES = 1024 * 1024
+# Room left in the server's max payload for the KV message's subject and headers.
+_PUT_HEADROOM = 16 * 1024
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -66,8 +65,16 @@ class SnapshotStore:
         """Store a snapshot; False (and nothing stored) when it is too large."""
         return await self.save_encoded(state.session_id, encode_snapshot(state))
 
+    def max_bytes(self) -> int:
+        """The largest snapshot stored: what one KV value on this server can hold. A
+        larger state is not snapshotted, and the snapshot it had stays where it was, so
+        a cold start folds every event since: a fixed 1 MiB here (an eighth of toolbus's
+        own servers' 8 MiB) froze a long session's snapshot at about 5,000 events and its
+        cold starts read a tail that grew with each turn."""
+        return self._bus.nc.max_payload - _PUT_HEADROOM
+
     async def save_encoded(self, session_id: str, data: bytes) -> bool:
-        if len(data) > MAX_SNAPSHOT_BYTES:
+        if len(data) > self.max_bytes():
             return False
         await (await self._bucket()).put(session_id, data)
         return True

@@ -355,3 +355,20 @@ async def test_a_session_evicted_from_memory_is_read_again_not_taken_as_new(
     assert states.peek(sid) is None and states.peek(other.state.session_id) is other
     assert states.assume_new(sid) is None
     assert (await states.entry(sid)).state.last_seq == first.state.last_seq
+
+
+async def test_a_state_over_a_mebibyte_is_snapshotted_up_to_the_servers_payload(
+        bus: Bus, sid: str) -> None:
+    # A soak's long sessions passed a fixed 1 MiB at ~5,000 events: their snapshot froze
+    # there, and each cold start folded a tail that grew with every turn.
+    store = SnapshotStore(bus)
+    state = SessionState(session_id=sid, event_count=9000,
+                         data={"blob": "x" * (3 * 1024 * 1024)})
+    assert await store.save(state)  # the suite's server takes 8 MiB messages
+    loaded = await store.load(sid)
+    assert loaded is not None and encode_state(loaded) == encode_state(state)
+    too_big = SessionState(session_id=sid, event_count=9001,
+                           data={"blob": "x" * bus.nc.max_payload})
+    assert not await store.save(too_big)  # not for this server: the last one stays
+    kept = await store.load(sid)
+    assert kept is not None and kept.event_count == 9000
