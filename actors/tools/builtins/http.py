@@ -43,7 +43,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
-from urllib.parse import urljoin
+from urllib.parse import quote, quote_plus, urljoin
 
 import anyio
 import httpcore
@@ -497,9 +497,13 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
 
 def _secret_forms(values: Iterable[str]) -> list[str]:
     """What of the tool's credentials a server may quote back: each value, and each word
-    of it (the token of `Bearer <token>`), if long enough to be a key; longest first."""
-    forms = {form for v in values for form in (v, *v.split())
+    of it (the token of `Bearer <token>`), if long enough to be a key, also as a URL's
+    query carries it (percent-encoded: a server quoting the URL it was asked) and as a
+    JSON string does; longest first."""
+    words = {form for v in values for form in (v, *v.split())
              if len(form) >= _SECRET_MIN_CHARS}
+    forms = {encoded for w in words for encoded in
+             (w, quote(w, safe=""), quote_plus(w), json.dumps(w)[1:-1])}
     return sorted(forms, key=len, reverse=True)
 
 

@@ -612,3 +612,18 @@ async def test_without_base_url_secrets_go_to_an_allowed_host_over_https_only(
         assert not _leaks(hit), hit
         assert hit["headers"]["user-agent"] == "toolbus-test"  # a plain header goes on
         assert hit["headers"]["x-trace"] == "t1"
+
+
+async def test_a_query_key_the_server_quotes_percent_encoded_is_never_returned(
+        a_b: tuple[_RecordingServer, _RecordingServer]) -> None:
+    # A base64 key (+, /, =) goes out percent-encoded in the query; an API echoing the URL
+    # it was asked (httpbin's `url`, a 401 page) quotes it in that form.
+    a, _ = a_b
+    key = "q+s3cret/key=="
+    t = http_tool(HttpToolConfig(name="api:q", base_url=a.url, allow_private=True,
+                                 default_query={"appid": key}))
+    for path in ("/echo", "/echo?as=text"):
+        out = await run_tool(t, {"path": path})
+        assert out["ok"] and "q%2Bs3cret%2Fkey%3D%3D" in a.hits[-1]["path"]
+        shown = json.dumps(out)
+        assert "s3cret" not in shown, shown
