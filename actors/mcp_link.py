@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import anyio
 import httpx2
@@ -844,9 +844,13 @@ def server_secrets(cfg: McpServerConfig) -> list[str]:
             values.append(value)
     # A key in the URL (`path: /mcp?api_key=...`, as hosted servers often take it):
     # `describe` never shows the query, and neither may what the server sends back.
-    values += [v for _, v in parse_qsl(urlsplit(cfg.path or "").query)]
+    # The server quotes it as it was sent, too: percent-encoded as written (decoded, `+`
+    # is a space), or as a key with +, / or = is encoded.
+    query = urlsplit(cfg.path or "").query
+    values += [v for _, v in parse_qsl(query)]
+    values += [p.partition("=")[2] for p in query.split("&")]
     forms = {form for v in values if len(v) >= _SECRET_MIN_CHARS
-             for form in (v, repr(v)[1:-1], json.dumps(v)[1:-1])}
+             for form in (v, repr(v)[1:-1], json.dumps(v)[1:-1], quote(v, safe=""))}
     return sorted(forms, key=len, reverse=True)
 
 

@@ -193,3 +193,14 @@ async def test_a_server_announcing_changes_without_pause_is_listed_once_a_second
         assert lists <= 4, f"listed {lists} times in 3 s"
         ok = await asyncio.wait_for(call_outcome(client, sid, f"{ns}:ok", {}), 10)
         assert ok.result == "ok"
+
+
+@pytest.mark.parametrize("query", ["q%2Bs3cret%2Fkey%3D%3D", "q+s3cret/key=="])
+def test_a_url_query_key_is_redacted_in_the_form_it_was_sent(query: str) -> None:
+    # The server quotes the URL as it was asked: percent-encoded (a base64 key's +, /, =),
+    # or with a literal `+` that parse_qsl would have read as a space.
+    from actors.mcp_link import redact, server_secrets
+    from schemas.manifest import McpServerConfig
+    cfg = McpServerConfig(id="q", hostname="http://h", port=1, path=f"/mcp?api_key={query}")
+    shown = redact(f"refused: you asked /mcp?api_key={query}", server_secrets(cfg))
+    assert "s3cret" not in shown, shown
