@@ -227,8 +227,9 @@ class SessionState(msgspec.Struct, kw_only=True, gc=False):
 # Bumped whenever the shape of `SessionState` changes, or what folding makes of an event,
 # so that older snapshots are ignored (and the session folded from the log) instead of
 # misread. 9: `set_path` no longer writes into an earlier result (`p`, then `p.q`).
-# 10: `orphans`.
-STATE_VERSION = 10
+# 10: `last_rejected_seq` (a995e56, dropped since). 11: `orphans` (a version 10 snapshot
+# lacks them: read as current, a cancelled turn's undecided call was never ended).
+STATE_VERSION = 11
 
 
 def evolve(state: SessionState, event: Event, seq: int) -> SessionState:

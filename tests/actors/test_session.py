@@ -521,3 +521,27 @@ def test_a_call_decided_after_its_turn_was_cancelled_is_failed_then() -> None:
     assert failed.msg_id == call_terminal_id(sid, "t1-0")  # the executor's, the timeout's
     state = evolve(state, failed.event, 5)
     assert state.orphans == [] and decide(state, now=5.0) == []
+
+
+def test_a_snapshot_from_before_orphans_is_not_taken_for_a_current_one() -> None:
+    # a995e56 stored version 10 snapshots with `last_rejected_seq` and no `orphans`;
+    # bb6cc58 gave 10 to `orphans`. Such a snapshot, read as current, lost a cancelled
+    # turn's undecided call: approved afterwards, it was never ended (the state folded
+    # from the log fails it).
+    from bus.snapshots import _decoder, encode_snapshot
+    sid = "s-orphan-snap"
+    turn = TurnRequested(session_id=sid, at=1.0, actor="test", turn_id="t1",
+                         request_id="t1", call_ids=[], message="Do it.")
+    requested = CallRequested(session_id=sid, at=1.0, actor="test", call_id="t1-0",
+                              turn_id="t1", tool="testing:probe", arguments={})
+    cancelled = decide_cancel(fold(sid, [(1, turn), (2, requested)]), "t1", "stop-1",
+                              reason=None, now=2.0, subject="s", request_seq=9)[0].event
+    state = fold(sid, [(1, turn), (2, requested), (3, cancelled)])
+    assert state.orphans == ["t1-0"]
+    old = msgspec.json.decode(encode_snapshot(state))
+    del old["state"]["orphans"]
+    old["state"]["last_rejected_seq"] = 0
+    old["version"] = 10  # as a995e56 wrote it
+    snap = _decoder.decode(msgspec.json.encode(old))
+    from schemas.state import STATE_VERSION
+    assert snap.version != STATE_VERSION  # ignored: the session is folded from the log
