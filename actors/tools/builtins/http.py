@@ -489,6 +489,8 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
             out["truncated"] = True
             out["bytes_read"] = len(raw)
         unquoted: dict[str, Any] = _unquoted(out, secrets)
+        if truncated and isinstance(unquoted["data"], str):
+            unquoted["data"] = _cut_secret(unquoted["data"], secrets)
         return unquoted
 
     run.__name__ = cfg.name.replace(":", "_").replace("-", "_")
@@ -521,6 +523,16 @@ def _unquoted(value: Any, secrets: Sequence[str]) -> Any:
     if isinstance(value, list):
         return [_unquoted(v, secrets) for v in value]
     return value
+
+
+def _cut_secret(text: str, secrets: Sequence[str]) -> str:
+    """A body cut at the size limit, without the start of a secret the cut fell in (its
+    whole copies are replaced already): a tail of 4 characters or more that begins one."""
+    for secret in secrets:
+        for k in range(min(len(secret) - 1, len(text)), 3, -1):
+            if text.endswith(secret[:k]):
+                return text[:-k] + _QUOTED
+    return text
 
 
 def _query_value(v: Any) -> str:

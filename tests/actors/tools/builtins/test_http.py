@@ -514,6 +514,22 @@ async def test_credentials_the_server_quotes_back_are_never_returned(
     assert SECRETS[1] not in str(err.value) and "[redacted]" in str(err.value)
 
 
+async def test_a_body_cut_inside_a_quoted_credential_shows_none_of_it(
+        a_b: tuple[_RecordingServer, _RecordingServer]) -> None:
+    # Cut at the size limit in the middle of a quoted key, the body kept its first part.
+    a, _ = a_b
+    whole = await run_tool(_secret_tool(a.url), {"path": "/echo?as=text"})
+    cuts = 0
+    for chars in range(40, len(whole["data"]), 3):
+        out = await run_tool(_secret_tool(a.url, max_response_chars=chars),
+                             {"path": "/echo?as=text"})
+        assert out["truncated"] is True
+        cuts += out["data"].endswith("[redacted]")
+        assert not [s for s in SECRETS for k in range(4, len(s) + 1)
+                    if out["data"].endswith(s[:k])], out["data"][-30:]
+    assert cuts > 4  # some cuts did fall inside a credential
+
+
 # --- timeouts and caps -------------------------------------------------------------------------
 
 
