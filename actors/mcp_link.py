@@ -63,6 +63,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
+from actors.redaction import redact, redact_cut
 from actors.tools import ProgressFn, Resource, ToolError
 from schemas.errors import ConnectError, ToolbusError
 from schemas.ids import split_tool_name
@@ -111,7 +112,6 @@ _STDERR_TAIL_LINES, _STDERR_SHOWN_LINES, _STDERR_LINE_CHARS = 20, 5, 240
 # server is refused rather than buffered until memory runs out. A stderr line is cut.
 MAX_MESSAGE_BYTES = 64 << 20
 _STDERR_LINE_BYTES = 64 << 10
-_REDACTED = "[redacted]"
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     httpx2.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
     anyio.EndOfStream, ConnectionError, EOFError,
@@ -413,8 +413,13 @@ class _StdioServer:
         assert proc.stderr is not None
         async for raw in _lines(proc.stderr, _STDERR_LINE_BYTES, cut=True):
             # A server that complains about its key quoting it: not into our logs.
-            line = str(redact(raw.decode(errors="replace").rstrip("\r"), self._secrets))
-            self.stderr_tail.append(line[:_STDERR_LINE_CHARS])
+            text = raw.decode(errors="replace").rstrip("\r")
+            # Cut (at the line limit here, or shorter for the tail): never the start of a
+            # secret the cut fell in.
+            line = redact_cut(text, self._secrets) if len(raw) >= _STDERR_LINE_BYTES \
+                else str(redact(text, self._secrets))
+            self.stderr_tail.append(line if len(line) <= _STDERR_LINE_CHARS
+                                    else redact_cut(text[:_STDERR_LINE_CHARS], self._secrets))
             with contextlib.suppress(OSError, ValueError):  # our own stderr is gone
                 sys.stderr.write(f"[mcp {self.cfg.id}] {line}\n")
                 sys.stderr.flush()
@@ -852,22 +857,6 @@ def server_secrets(cfg: McpServerConfig) -> list[str]:
     forms = {form for v in values if len(v) >= _SECRET_MIN_CHARS
              for form in (v, repr(v)[1:-1], json.dumps(v)[1:-1], quote(v, safe=""))}
     return sorted(forms, key=len, reverse=True)
-
-
-def redact(value: Any, secrets: list[str]) -> Any:
-    """`value` (text, or a JSON result) with every secret replaced by `[redacted]`."""
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        for secret in secrets:
-            if secret in value:
-                value = value.replace(secret, _REDACTED)
-        return value
-    if isinstance(value, dict):
-        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v, secrets) for v in value]
-    return value
 
 
 class McpTool:

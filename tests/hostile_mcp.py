@@ -15,9 +15,9 @@ with a message that never ends; `ok` answers "ok". `--names A,B` lists more tool
 `listchanged_loop` sends `notifications/tools/list_changed` without pause, `garbage` writes
 lines that are not JSON-RPC before each answer, `fork` starts a daemon holding its stdout,
 `forkdie` does too and exits when `hostile` is called, `stderrkey` exits at once quoting
-its `TOKEN` variable on stderr. Over HTTP, `--mode initauth` answers `initialize` with an
-error quoting the Authorization header, and `http401` every request with a 401 whose body
-quotes it.
+its `TOKEN` variable on stderr (after `PAD` x's). Over HTTP, `--mode initauth` answers
+`initialize` with an error quoting the Authorization header, and `http401` every request
+with a 401 whose body quotes it.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def stdio(args: argparse.Namespace) -> None:
 
     import time
     if args.mode == "stderrkey":  # a server refusing its own key, quoting it
-        print(f"error: token {os.environ.get('TOKEN')} was refused", file=sys.stderr)
+        pad = "x" * int(os.environ.get("PAD", "0"))  # where the key falls in the line
+        print(f"error: {pad}token {os.environ.get('TOKEN')} was refused", file=sys.stderr)
         sys.exit(3)
     if args.mode in ("fork", "forkdie"):
         if os.fork() == 0:  # a daemon: its own session, still holding stdout/stderr

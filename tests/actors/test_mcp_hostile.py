@@ -122,6 +122,19 @@ async def test_a_key_a_stdio_server_quotes_on_stderr_is_never_shown(
     assert KEY not in passed_on
 
 
+async def test_a_key_a_stderr_line_is_cut_in_shows_none_of_it() -> None:
+    # The start-up error shows each stderr line cut at 240 characters: cut inside the key,
+    # its first part stayed.
+    pad = 240 - len("error: token ") - len(KEY) // 2
+    cfg = mcp_config("keyedcut", **hostile_stdio("--mode", "stderrkey"),
+                     env={"TOKEN": KEY, "PAD": str(pad)})
+    link = McpLink(cfg, env={}, on_tools=_ignore)
+    with pytest.raises(McpUnavailableError) as err:
+        await link.start()
+    shown = str(err.value)
+    assert "xtoken [redacted]. Start it" in shown and KEY[:4] not in shown, shown
+
+
 async def test_a_servers_own_minus_32000_error_is_an_error_not_a_dropped_connection(
         bus: Bus, client: ToolbusClient, sid: str, system: dict[str, Any],
         tmp_path: Path) -> None:
@@ -199,7 +212,8 @@ async def test_a_server_announcing_changes_without_pause_is_listed_once_a_second
 def test_a_url_query_key_is_redacted_in_the_form_it_was_sent(query: str) -> None:
     # The server quotes the URL as it was asked: percent-encoded (a base64 key's +, /, =),
     # or with a literal `+` that parse_qsl would have read as a space.
-    from actors.mcp_link import redact, server_secrets
+    from actors.mcp_link import server_secrets
+    from actors.redaction import redact
     from schemas.manifest import McpServerConfig
     cfg = McpServerConfig(id="q", hostname="http://h", port=1, path=f"/mcp?api_key={query}")
     shown = redact(f"refused: you asked /mcp?api_key={query}", server_secrets(cfg))

@@ -49,6 +49,7 @@ import anyio
 import httpcore
 import httpx
 
+from actors.redaction import redact, redact_cut
 from actors.tools import LocalTool, Resource, ToolError
 from schemas.defaults import MAX_JSON_DEPTH
 from schemas.manifest import HttpToolConfig
@@ -82,7 +83,6 @@ _REDACTED = "REDACTED"
 # Credentials a server quotes back (a 401 page, an echo endpoint) are replaced in what the
 # tool returns; shorter values are no keys, and would take words out of every body.
 _SECRET_MIN_CHARS = 8
-_QUOTED = "[redacted]"
 
 # The addresses vetted for the current task's request, by host name (lowercase). Set
 # around each hop; httpcore connects in the task that sends the request.
@@ -469,7 +469,7 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
         except ToolError as exc:  # a redirect's Location may quote them too
             if not any(secret in exc.message for secret in secrets):
                 raise
-            raise ToolError(_unquoted(exc.message, secrets), error_type=exc.error_type,
+            raise ToolError(redact(exc.message, secrets), error_type=exc.error_type,
                             retryable=exc.retryable) from None
         except (TimeoutError, httpcore.TimeoutException) as exc:
             raise ToolError(f"{method} {shown(url)} did not answer within {cfg.timeout_ms} ms",
@@ -488,9 +488,9 @@ def http_tool(cfg: HttpToolConfig, *, resolver: Resolver | None = None) -> Local
         if truncated:
             out["truncated"] = True
             out["bytes_read"] = len(raw)
-        unquoted: dict[str, Any] = _unquoted(out, secrets)
-        if truncated and isinstance(unquoted["data"], str):
-            unquoted["data"] = _cut_secret(unquoted["data"], secrets)
+        if truncated and isinstance(data, str):
+            out["data"] = redact_cut(data, secrets)
+        unquoted: dict[str, Any] = redact(out, secrets)
         return unquoted
 
     run.__name__ = cfg.name.replace(":", "_").replace("-", "_")
@@ -507,32 +507,6 @@ def _secret_forms(values: Iterable[str]) -> list[str]:
     forms = {encoded for w in words for encoded in
              (w, quote(w, safe=""), quote_plus(w), json.dumps(w)[1:-1])}
     return sorted(forms, key=len, reverse=True)
-
-
-def _unquoted(value: Any, secrets: Sequence[str]) -> Any:
-    """`value` (text, or a decoded JSON body) with every secret replaced."""
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        for secret in secrets:
-            if secret in value:
-                value = value.replace(secret, _QUOTED)
-        return value
-    if isinstance(value, dict):
-        return {_unquoted(k, secrets): _unquoted(v, secrets) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unquoted(v, secrets) for v in value]
-    return value
-
-
-def _cut_secret(text: str, secrets: Sequence[str]) -> str:
-    """A body cut at the size limit, without the start of a secret the cut fell in (its
-    whole copies are replaced already): a tail of 4 characters or more that begins one."""
-    for secret in secrets:
-        for k in range(min(len(secret) - 1, len(text)), 3, -1):
-            if text.endswith(secret[:k]):
-                return text[:-k] + _QUOTED
-    return text
 
 
 def _query_value(v: Any) -> str:
