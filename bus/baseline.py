@@ -265,15 +265,22 @@ async def serve_bare_events(bus: Bus, role: str, ready: Callable[[], None],
         msgspec.json.decode(msg.data)
         await msg.ack()
 
-    async def on_turn(msg: Msg) -> None:
+    async def plan(msg: Msg, i: int, then: tuple[str, ...], deltas: int) -> None:
+        """The planner: `model.requested` stored while the model is asked (`ask(i)`), its
+        text deltas published live, then the events its answer makes due."""
         assert ask is not None
         key = msg.subject.split(".")[2]
         body = msgspec.json.encode(msgspec.json.decode(msg.data))
         asked = asyncio.ensure_future(publish(key, "model.requested", body))
-        await ask(0)
-        await asyncio.gather(asked, *(publish(key, kind, body) for kind in (
-            "model.responded", "call.requested", "call.approved", "call.dispatched")))
+        await ask(i)
+        for _ in range(deltas):
+            await bus.nc.publish(f"{_BLIVE}.{key}.model.delta", b'{"text":"x"}')
+        await asyncio.gather(asked, *(publish(key, kind, body) for kind in then))
         await msg.ack()
+
+    async def on_turn(msg: Msg) -> None:
+        await plan(msg, 0, ("model.responded", "call.requested", "call.approved",
+                            "call.dispatched"), 0)
 
     async def on_call(msg: Msg) -> None:
         key = msg.subject.split(".")[2]
@@ -283,16 +290,7 @@ async def serve_bare_events(bus: Bus, role: str, ready: Callable[[], None],
         await msg.ack()
 
     async def on_result(msg: Msg) -> None:
-        assert ask is not None
-        key = msg.subject.split(".")[2]
-        body = msgspec.json.encode(msgspec.json.decode(msg.data))
-        asked = asyncio.ensure_future(publish(key, "model.requested", body))
-        await ask(1)
-        for _ in range(_BARE_DELTAS):
-            await bus.nc.publish(f"{_BLIVE}.{key}.model.delta", b'{"text":"x"}')
-        await asyncio.gather(asked, publish(key, "model.responded", body),
-                             publish(key, "turn.completed", body))
-        await msg.ack()
+        await plan(msg, 1, ("model.responded", "turn.completed"), _BARE_DELTAS)
 
     async def on_ack(msg: Msg) -> None:  # the approval's and the compressor's
         msgspec.json.decode(msg.data)
