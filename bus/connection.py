@@ -92,6 +92,10 @@ class Bus:
     # change, so decisions are appended one by one and re-read (bus/eventlog.py,
     # actors/kernel.py). Set by `provision`.
     replicated: bool = False
+    # The events stream stores atomic batches (nats-server 2.12+, `allow_atomic`): a
+    # decision's events are then stored all together or none (bus/eventlog.py). Set by
+    # `provision`.
+    atomic: bool = False
     # Requests waiting on a subject: failed at once if NATS denies publishing to it.
     _waiting: dict[str, set[asyncio.Future[Any]]] = field(default_factory=dict)
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ log = logging.getLogger("toolbus.bus")
 
 _WRONG_LAST_SEQUENCE = 10071
 _IN_PROCESS = 10158  # "duplicate message id is in process"
+# What nats-server's refusals of an atomic batch say first (a stored message id in it,
+# too many in flight, batches disabled, ...).
+_BATCH_REFUSED = "atomic publish"
 # Retried with the same message id (never stored twice) over at least 15 s of backoff:
 # long enough for a cluster to elect a new stream leader when a node dies.
 _APPEND_ATTEMPTS = 20
@@ -45,6 +49,12 @@ _STATUS = Header.STATUS.value
 _SEQUENCE = Header.SEQUENCE.value
 _SUBJECT = Header.SUBJECT.value
 _NUM_PENDING = Header.NUM_PENDING.value
+_BATCH_ID = Header.BATCH_ID.value
+_BATCH_SEQUENCE = Header.BATCH_SEQUENCE.value
+_BATCH_COMMIT = Header.BATCH_COMMIT.value
+# The largest decision stored as one atomic batch (nats-server's default
+# `max_batch_size` is 1,000 messages); a larger one is stored event by event.
+_MAX_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +99,7 @@ class _PubAck(msgspec.Struct):
     seq: int = 0
     duplicate: bool = False
     error: dict[str, Any] | None = None
+    count: int = 0  # an atomic batch's: how many it stored, `seq` being the last
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
@@ -115,6 +126,10 @@ class _Publisher:
         self._next = 0
         self._waiting: dict[str, asyncio.Future[Msg]] = {}
         self._started: asyncio.Future[None] | None = None
+        # Batch ids: unique on the stream while batches are in flight (at most 64
+        # characters), so a random prefix per publisher and a counter.
+        self._batch_prefix = uuid.uuid4().hex[:16]
+        self._batches = 0
 
     async def _ensure(self) -> None:
         if self._started is None:
@@ -144,6 +159,23 @@ class _Publisher:
             self._waiting.pop(reply, None)
             raise
         return reply, fut
+
+    async def send_batch(self, prepared: Sequence[tuple[str, bytes, dict[str, str]]]
+                         ) -> tuple[str, asyncio.Future[Msg]]:
+        """Publish messages as one atomic batch: the stream stores all of them together
+        once the last (the commit) is in, or none. The future resolves with the commit's
+        ack, the only one the stream sends."""
+        await self._ensure()
+        self._batches += 1
+        batch_id = f"{self._batch_prefix}{self._batches}"
+        last = len(prepared) - 1
+        for i, (subject, payload, headers) in enumerate(prepared[:last]):
+            await self._nc.publish(subject, payload, headers={
+                **headers, _BATCH_ID: batch_id, _BATCH_SEQUENCE: str(i + 1)})
+        subject, payload, headers = prepared[last]
+        return await self.send(subject, payload, {
+            **headers, _BATCH_ID: batch_id, _BATCH_SEQUENCE: str(last + 1),
+            _BATCH_COMMIT: "1"})
 
     async def wait(self, subject: str, sent: tuple[str, asyncio.Future[Msg]],
                    timeout: float) -> _PubAck:
@@ -293,14 +325,22 @@ class EventLog:
         self, items: Sequence[Append], *, expect_last: int | None,
         headers: Mapping[str, str] | None = None,
     ) -> list[AppendResult]:
-        """Store the events of one decision: the first under the concurrency check, the
-        rest pipelined behind it. Returns their results in order."""
-        # All are sent at once, in order on one connection, then their acks are awaited;
-        # only the first is checked. If that check fails, the others may still be stored:
-        # harmless, because a decision's events have deterministic ids and the
-        # re-decision after a re-read writes the same ids (deduplicated) and the reducer
-        # accepts either order. Every event is prepared (size-checked) before any is sent.
-        # The rest may carry a guard of their own: no `turn.cancelled` stored since.
+        """Store the events of one decision, the first under the concurrency check.
+        Returns their results in order.
+
+        On a replicated stream that takes atomic batches (`Bus.atomic`), they are
+        stored all together or none: a failed check (`ConcurrencyError`) stores nothing
+        of the decision, and the stream answers once for all of them, in one round trip
+        of the cluster. Elsewhere, or for a decision some of whose events are stored
+        already (decided again after a crash: the same message ids), they are stored
+        event by event: on a single server sent at once, in order on one connection, the
+        first checked, the rest pipelined behind it; on a cluster one after another."""
+        # Without a batch, only the first is checked: if that check fails, the others
+        # may still be stored. Harmless, because a decision's events have deterministic
+        # ids and the re-decision after a re-read writes the same ids (deduplicated) and
+        # the reducer accepts either order. Every event is prepared (size-checked) before
+        # any is sent. The rest may carry a guard of their own: no `turn.cancelled`
+        # stored since.
         expects = [expect_last if i == 0 else item.unless_cancelled_after
                    for i, item in enumerate(items)]
         subjects = [None if i == 0 or item.unless_cancelled_after is None else
@@ -311,6 +351,14 @@ class EventLog:
         prepared = [self._prepare(item, expect, subject, extra)
                     for item, expect, subject, extra
                     in zip(items, expects, subjects, more, strict=True)]
+        # Only on a cluster: there a batch is one round trip where the events one by
+        # one are one each (4 events: 0.5 against 1.6 ms on three local servers); on a
+        # single server nats-server 2.15 takes 1.8 ms to commit a batch of 4 that
+        # pipelined takes 0.2 ms.
+        if 1 < len(items) <= _MAX_BATCH and self._bus.atomic and self._bus.replicated:
+            stored = await self._append_batch(items, prepared, expect_last)
+            if stored is not None:
+                return stored
         if self._bus.replicated:
             # One after another, each once the one before is stored: a leader change
             # could otherwise store a later event of the decision and lose an earlier.
@@ -331,6 +379,51 @@ class EventLog:
         if failure is not None:
             raise failure
         return results
+
+    async def _append_batch(self, items: Sequence[Append],
+                            prepared: Sequence[tuple[str, bytes, dict[str, str]]],
+                            expect_last: int | None) -> list[AppendResult] | None:
+        """Store prepared events as one atomic batch; None when the stream took no
+        batch of them (some are stored already, or it refuses batches just now): then
+        nothing of this batch was stored, and they are to be stored event by event.
+
+        Timeouts and 503s are retried, each time as a new batch: one stored before its
+        acknowledgement was lost is then refused as holding stored message ids (None),
+        and the event-by-event store finds each of them stored, with its sequence."""
+        subject = prepared[0][0]
+        delay = 0.05
+        last_error: Exception | None = None
+        for _ in range(_APPEND_ATTEMPTS):
+            try:
+                ack = await self._pub.wait(subject, await self._pub.send_batch(prepared),
+                                           _APPEND_TIMEOUT_S)
+            except _RETRYABLE as exc:
+                last_error = exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if ack.error is not None:
+                code = int(ack.error.get("err_code", 0))
+                description = str(ack.error.get("description", ""))
+                if code == _WRONG_LAST_SEQUENCE:
+                    raise ConcurrencyError(subject, expect_last or 0, description)
+                if code == _IN_PROCESS or description.startswith(_BATCH_REFUSED):
+                    # Stored ids among them, too many batches in flight on the stream,
+                    # batches turned off since: stored one by one instead.
+                    return None
+                raise AppendError(subject, f"{description} (code {code})")
+            if ack.count != len(items):
+                raise AppendError(subject, f"an atomic batch of {len(items)} events was "
+                                           f"stored as {ack.count}")
+            # A batch is stored at consecutive sequences, its commit last.
+            first = ack.seq - len(items) + 1
+            results = [AppendResult(first + i, False) for i in range(len(items))]
+            if self.observer is not None:
+                for item, result in zip(items, results, strict=True):
+                    self.observer(item.event, result)
+            return results
+        raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
+                                   f"{type(last_error).__name__}: {last_error}")
 
     async def read_session(
         self,

@@ -24,6 +24,11 @@ class Header(StrEnum):
     # that folds every event of a session (the session actor) decides again only once
     # the decision is whole, not on each of its parts.
     MORE = "Toolbus-More"
+    # An atomic batch (nats-server 2.12+, a stream with `allow_atomic`): the events of
+    # one decision stored all together, or none of them (bus/eventlog.py).
+    BATCH_ID = "Nats-Batch-Id"
+    BATCH_SEQUENCE = "Nats-Batch-Sequence"
+    BATCH_COMMIT = "Nats-Batch-Commit"
 
 
 class Status(StrEnum):

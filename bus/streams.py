@@ -54,7 +54,8 @@ log = logging.getLogger("toolbus.bus")
 _EVENTS_MAX_MSG_BYTES = 4 * MAX_EVENT_BYTES
 
 
-def events_stream_config(partitions: int = DEFAULT_PARTITIONS) -> StreamConfig:
+def events_stream_config(partitions: int = DEFAULT_PARTITIONS, *,
+                         atomic: bool = True) -> StreamConfig:
     return StreamConfig(
         name=EVENTS_STREAM,
         description="toolbus event log: the source of truth",
@@ -63,6 +64,9 @@ def events_stream_config(partitions: int = DEFAULT_PARTITIONS) -> StreamConfig:
         storage=StorageType.FILE,
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
+        # A decision's events stored all together or none (bus/eventlog.py): from
+        # nats-server 2.12 on; None leaves an older server's stream as it is.
+        allow_atomic=True if atomic else None,
         max_msg_size=_EVENTS_MAX_MSG_BYTES,
         # `toolbus.evt.<sid>.<partition>.<type>` -> `toolbus.live.<sid>.<type>`: watchers
         # need not know the partitions.
@@ -127,6 +131,16 @@ async def ensure_stream(bus: Bus, config: StreamConfig, *, rescale: bool = False
 CLUSTER_REPLICAS = 3
 
 
+def server_version(bus: Bus) -> tuple[int, int]:
+    """The connected server's major and minor version ((0, 0) if it said none)."""
+    version = str(bus.nc._server_info.get("version", ""))
+    parts = version.split("-")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
 def default_replicas(bus: Bus) -> int:
     """How many copies of each stream and bucket to make: 3 on a JetStream cluster (its
     size, if it has fewer servers), 1 on a single server. From the INFO the server sent at
@@ -172,9 +186,11 @@ async def provision(bus: Bus, *, replicas: int | None = None,
     try:
         bus.partitions = await stored_partitions(bus, partitions)
         await ensure_stream(bus, dataclasses.replace(
-            events_stream_config(bus.partitions), num_replicas=n), rescale=rescale)
+            events_stream_config(bus.partitions, atomic=server_version(bus) >= (2, 12)),
+            num_replicas=n), rescale=rescale)
         events = await bus.js.stream_info(EVENTS_STREAM)
         bus.replicated = (events.config.num_replicas or 1) > 1
+        bus.atomic = bool(events.config.allow_atomic)
         await ensure_stream(bus, dataclasses.replace(
             requests_stream_config(bus.partitions), num_replicas=n), rescale=rescale)
         ttls = {EXECUTORS_BUCKET: EXECUTORS_TTL_S, LEASES_BUCKET: LEASE_TTL_S}
