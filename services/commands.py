@@ -911,6 +911,10 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
                     print(f"toolbus: skipped a line that is {problem}", file=sys.stderr)
                     code = EXIT_USAGE
                     continue
+            if _stdout_reader_gone():
+                # `| head -1`: nobody reads this turn's answer; not asked for (each line
+                # after the reader left was a model turn paid for and thrown away).
+                raise BrokenPipeError
             streamed[0] = False
             request_id = uuid.uuid4().hex
             current[0] = turn_id_for(request_id)

@@ -1234,6 +1234,42 @@ async def test_interactive_chat_refuses_a_line_over_the_message_limit_and_goes_o
     assert len(model.received) == 1
 
 
+async def test_interactive_chat_asks_nothing_more_once_its_reader_is_gone(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    # `printf 'a\nb\n' | toolbus chat | head -1`: each line after head had gone was still
+    # a turn, its model paid for and its answer thrown away at the failed write.
+    model.script = [(200, reply("First answer.")), (200, reply("Nobody reads this."))]
+    out_r, out_w = os.pipe()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "chat", "--session", sid, "--nats", nats_url,
+        stdin=asyncio.subprocess.PIPE, stdout=out_w, stderr=asyncio.subprocess.PIPE,
+        cwd=REPO)
+    os.close(out_w)
+    assert proc.stdin is not None and proc.stderr is not None
+    try:
+        proc.stdin.write(b"first\n")
+        shown = b""
+        async with asyncio.timeout(60):
+            while not shown.endswith(b"\n"):
+                shown += await asyncio.to_thread(os.read, out_r, 100)
+        assert shown == b"First answer.\n"
+        os.close(out_r)  # the reader goes, as `head -1` does
+        out_r = -1
+        proc.stdin.write(b"second\n")
+        proc.stdin.close()
+        async with asyncio.timeout(30):
+            stderr = await proc.stderr.read()
+            assert await proc.wait() == 0, stderr
+    finally:
+        if out_r >= 0:
+            os.close(out_r)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert len(model.received) == 1, stderr
+    assert b"Traceback" not in stderr
+
+
 async def test_a_base_url_that_serves_a_web_page_is_named_as_such(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     model.html = True
