@@ -130,50 +130,60 @@ async def terminable(coro: Coroutine[Any, Any, int], *, grace_s: float) -> int:
     """`coro`, cancelled by SIGTERM as by Ctrl-C, so that the processes and files it
     started are stopped and removed by its own `finally` blocks instead of left behind
     (`timeout`, a CI job's end and `kill` send SIGTERM). Then 143, as a shell reports it.
+    SIGHUP (its terminal closed: the window, a dropped ssh session) does the same, exit
+    129, unless the process ignores it (`nohup`): killed by it, a chat left its turn
+    running unseen, holding the session's next turns back.
 
     A process told to stop must stop: if it has not exited `grace_s` after the first
-    SIGTERM (its cleanup waits on something that never comes), it says what it was
-    waiting for and exits 143 without finishing."""
+    signal (its cleanup waits on something that never comes), it says what it was
+    waiting for and exits without finishing."""
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
-    termed = False
+    termed: int | None = None  # the signal that stopped it
 
-    def on_term() -> None:
+    def on_term(signum: int) -> None:
         nonlocal termed
-        if not termed:
-            timer = threading.Timer(grace_s, _stuck, args=(loop, grace_s))
+        if termed is None:
+            timer = threading.Timer(grace_s, _stuck, args=(loop, grace_s, signum))
             timer.daemon = True
             timer.start()
-        termed = True
+            termed = signum
         task.cancel()
 
+    signals = [signal.SIGTERM]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
     try:
-        loop.add_signal_handler(signal.SIGTERM, on_term)
+        for signum in signals:
+            loop.add_signal_handler(signum, on_term, signum)
     except (NotImplementedError, RuntimeError):  # no signal handlers here (Windows)
         return await task
     try:
         return await task
     except asyncio.CancelledError:
-        if termed and task.cancelled():
+        if termed is not None and task.cancelled():
             # A turn of the loop for the tasks its cleanup cancelled (nats-py's
             # subscriptions) to end, before the loop goes.
             for _ in range(3):
                 await asyncio.sleep(0)
-            say("toolbus: terminated")
-            return EXIT_TERMINATED
+            say("toolbus: terminated" if termed == signal.SIGTERM else "toolbus: hung up")
+            return 128 + termed
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for signum in signals:
+            loop.remove_signal_handler(signum)
 
 
-def _stuck(loop: asyncio.AbstractEventLoop, grace_s: float) -> None:
-    """On a timer's thread, `grace_s` after SIGTERM: what the process still waits for
-    (its tasks' stacks, from the loop's thread; the threads' stacks if the loop itself
-    is blocked), then exit 143, whatever stderr is (a closed pipe included)."""
+def _stuck(loop: asyncio.AbstractEventLoop, grace_s: float,
+           signum: int = signal.SIGTERM) -> None:
+    """On a timer's thread, `grace_s` after SIGTERM (or SIGHUP): what the process still
+    waits for (its tasks' stacks, from the loop's thread; the threads' stacks if the loop
+    itself is blocked), then exit 128 + the signal, whatever stderr is (a closed pipe
+    included)."""
     try:
-        print(f"toolbus: still stopping {grace_s:g} s after SIGTERM; exiting now, without "
-              "finishing (a bug: what it was waiting for follows)", file=sys.stderr,
-              flush=True)
+        print(f"toolbus: still stopping {grace_s:g} s after {signal.Signals(signum).name}; "
+              "exiting now, without finishing (a bug: what it was waiting for follows)",
+              file=sys.stderr, flush=True)
         shown = threading.Event()
 
         def show_tasks() -> None:
@@ -191,7 +201,7 @@ def _stuck(loop: asyncio.AbstractEventLoop, grace_s: float) -> None:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
     finally:  # whatever failed above (stderr a closed pipe): the exit must come
-        os._exit(EXIT_TERMINATED)
+        os._exit(128 + signum)
 
 
 def _awaiting(coro: Any) -> list[str]:

@@ -1013,13 +1013,15 @@ async def test_toolbus_chat_streams_the_answer_and_shows_each_call(
     assert ("user", "Echo a.") in history and ("assistant", "All done here.") in history
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                            (signal.SIGHUP, 129)])
 async def test_ctrl_c_in_toolbus_chat_cancels_the_turn_it_waits_for(
         bus: Bus, planner: Planner, model: ScriptedChat, sid: str, nats_url: str,
         sig: int, status: int) -> None:
-    """Interrupted mid-turn (Ctrl-C, or SIGTERM from `timeout` or a CI job's end),
-    `toolbus chat` stopped and the turn went on unseen, calling the model and holding
-    the session's next turn back; it is cancelled now, and said."""
+    """Interrupted mid-turn (Ctrl-C, SIGTERM from `timeout` or a CI job's end, or SIGHUP
+    from its terminal closing), `toolbus chat` stopped and the turn went on unseen,
+    calling the model and holding the session's next turn back; it is cancelled now, and
+    said."""
     model.script = [(200, reply("Too late."), 30)]  # cut short when the planner hangs up
     model.asked.clear()
     proc = await asyncio.create_subprocess_exec(
@@ -1048,7 +1050,8 @@ async def test_ctrl_c_in_toolbus_chat_cancels_the_turn_it_waits_for(
     assert not any(isinstance(e, TurnCompleted) for e in events)
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                            (signal.SIGHUP, 129)])
 async def test_an_interrupted_chat_whose_output_is_gone_still_cancels_its_turn(
         bus: Bus, planner: Planner, model: ScriptedChat, sid: str, nats_url: str,
         sig: int, status: int) -> None:
@@ -1083,6 +1086,30 @@ async def test_an_interrupted_chat_whose_output_is_gone_still_cancels_its_turn(
         events = await w.until(lambda evs: any(isinstance(e, TurnCancelled) for e in evs))
     cancelled = next(e for e in events if isinstance(e, TurnCancelled))
     assert "toolbus chat was interrupted" in cancelled.message
+
+
+async def test_chat_under_nohup_keeps_waiting_for_its_turn_when_the_terminal_hangs_up(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    # SIGHUP cancels a chat's turn only where it would have killed the chat: `nohup`
+    # asks for the answer whatever becomes of the terminal.
+    model.script = [(200, reply("Worth the wait."), 2)]
+    model.asked.clear()
+    proc = await asyncio.create_subprocess_exec(
+        "nohup", sys.executable, "-m", "services.cli", "chat", "Take your time.",
+        "--session", sid, "--nats", nats_url, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, start_new_session=True)
+    try:
+        async with asyncio.timeout(30):
+            await model.asked.wait()
+        os.killpg(proc.pid, signal.SIGHUP)
+        async with asyncio.timeout(30):
+            out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err
+    assert out == b"Worth the wait.\n", err
 
 
 async def test_an_interrupt_landing_as_the_request_is_acknowledged_still_cancels_the_turn(
