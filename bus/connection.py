@@ -135,9 +135,10 @@ class Bus:
                     del self._waiting[key]
 
     async def request(self, subject: str, data: bytes, *, timeout: float,
-                      who: str = "an actor") -> bytes:
+                      who: str | None = None) -> bytes:
         """Core request/reply, with NATS errors mapped to ours (`PermissionDeniedError`
-        at once when the role may not publish there)."""
+        at once when the role may not publish there); `who` names what should answer,
+        for the error to say what to check."""
         denied: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout))
         try:
@@ -148,9 +149,13 @@ class Bus:
                 return denied.result()  # raises PermissionDeniedError
             msg = reply.result()
         except nats.errors.NoRespondersError as exc:
-            raise BusError(f"no one answers on {subject}: is {who} running?") from exc
+            raise BusError(f"no one answers on {subject}: is {who or 'an actor'} running?"
+                           ) from exc
         except nats.errors.TimeoutError as exc:
-            raise BusTimeoutError(f"no answer on {subject} within {timeout:g} s") from exc
+            # Subscribed but silent: a stopped (paused, wedged) process, or one overloaded.
+            check = f": is {who} running and answering?" if who else ""
+            raise BusTimeoutError(f"no answer on {subject} within {timeout:g} s{check}"
+                                  ) from exc
         finally:
             if not reply.done():
                 reply.cancel()

@@ -164,6 +164,30 @@ def test_a_server_toolbus_never_set_up_is_named_as_such(tmp_path: Path) -> None:
     assert "Is this server toolbus's?" in _one_clear_line(out)
 
 
+async def test_a_decision_no_approval_actor_answers_says_what_to_check(
+        tmp_path: Path) -> None:
+    # An approval actor subscribed but silent (`toolbus up` stopped with Ctrl-Z, wedged):
+    # "no answer on toolbus.approval... within 10 s" said nothing of what to check.
+    from bus.connection import connect
+    from bus.server import EmbeddedServer
+
+    with EmbeddedServer(tmp_path, port=free_port(), auth=False) as bare:
+        bus = await connect(bare.url, name="mute approval actor")
+        try:
+            async def mute(msg: object) -> None:
+                pass
+
+            await bus.nc.subscribe("toolbus.approval.>", cb=mute)
+            await bus.nc.flush()
+            out = await asyncio.to_thread(run_toolbus, "approve", "c1-0", "--session", "s1",
+                                          "--nats", bare.url, timeout=60)
+        finally:
+            await bus.close()
+    assert out.returncode == 3, out.stderr
+    assert _one_clear_line(out).endswith(
+        "within 10 s: is an approval actor (`toolbus up`) running and answering?"), out.stderr
+
+
 async def test_replay_into_a_closed_pipe_ends_quietly(client, nats_url: str) -> None:
     sid = f"pipe-{uuid.uuid4().hex[:8]}"
     for _ in range(3):  # about 1,200 events: far more output than a pipe holds
