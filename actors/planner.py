@@ -2108,7 +2108,9 @@ class Planner:
             # (a long text, many or large calls): nothing of it was stored (each event is
             # size-checked before any is sent). A model error, as any unusable reply.
             await self._fail_turn(entry, turn, "model_error",
-                                  f"the model's reply is too large to store: {exc}")
+                                  f"the model's reply is too large to store ({exc.size} "
+                                  f"bytes as an event; the limit is {exc.limit}): bound its "
+                                  "length with agent_config.model.max_tokens")
             return []
         except ConcurrencyError:
             # Something was stored during the call (a tool event): the answer is kept,

@@ -1297,6 +1297,18 @@ async def test_interactive_chat_asks_nothing_more_once_its_reader_is_gone(
     assert b"Traceback" not in stderr
 
 
+async def test_a_reply_too_large_to_store_says_to_bound_the_models_length(
+        client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
+    # A megabyte of text (a model without max_tokens): "could not append to
+    # toolbus.evt.<sid>.<n>.model.responded: ..." named a subject, not what to do.
+    model.script = [(200, reply("abcdefghij" * 100_000))]
+    end = await client.ask(sid, "Write a lot.")
+    assert isinstance(end, TurnFailed) and end.reason == "model_error", end
+    assert end.message.startswith("the model's reply is too large to store (") and \
+        end.message.endswith("bound its length with agent_config.model.max_tokens"), end
+    assert "toolbus.evt" not in end.message
+
+
 async def test_a_base_url_that_serves_a_web_page_is_named_as_such(
         client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str) -> None:
     model.html = True
