@@ -854,7 +854,14 @@ async def _chat(url: str, args: argparse.Namespace) -> int:
         elif kind == "call.requested" and body.get("actor") == "planner":
             if len(tools) < 10_000:
                 tools[str(body.get("call_id"))] = str(body.get("tool"))
-            args_text = msgspec.json.encode(body.get("arguments")).decode()[:200]
+            # As `toolbus approvals` shows them: what would reorder or hide text escaped,
+            # not dropped, and a cut said (this line is where a human reads a call that
+            # then waits for `toolbus approve`; a silent cut hid what it did past it).
+            args_text = _terminal_json(msgspec.json.encode(body.get("arguments")))
+            hidden = len(args_text) - _CHAT_ARGUMENTS_SHOWN
+            if hidden > 0:
+                args_text = (f"{args_text[:_CHAT_ARGUMENTS_SHOWN]}… ({hidden} more "
+                             f"characters: `toolbus replay {session}` shows them)")
             print(f"\n  -> {_printable(body.get('tool'))} {_printable(args_text)}",
                   file=sys.stderr, flush=True)
             await watch_child(session, str(body.get("call_id")), str(body.get("tool")))
@@ -1010,6 +1017,7 @@ async def _stop_turn(client: Any, session: str, turn_id: str, *,
 
 
 _STOP_TURN_S = 5.0
+_CHAT_ARGUMENTS_SHOWN = 200  # characters of a call's arguments chat shows
 # A turn whose model is not asked within this long may be waiting behind another.
 _QUEUED_NOTICE_S = 1.0
 _interrupt_said = False  # chat said what became of the turn it was interrupted in

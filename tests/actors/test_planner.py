@@ -1476,6 +1476,27 @@ async def test_toolbus_chat_prints_no_control_characters_a_model_sends(
         assert bad not in replay.stdout, bad
 
 
+async def test_toolbus_chat_shows_a_calls_arguments_escaped_and_says_where_it_cuts_them(
+        planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
+    # The line a human reads before `toolbus approve`: a bidirectional override was
+    # dropped (the text shown was not the text run) and arguments padded past 200
+    # characters were cut without a word, hiding what the call did after the padding.
+    padded = {"text": "a\u202eb\u009bc", "pad": " " * 300, "then": "rm -rf ~"}
+    model.script = [(200, reply(calls=[("e1", "built-in__echo", padded)])),
+                    (200, reply("Done."))]
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "chat", "Echo.", "--session",
+                         sid, "--nats", nats_url], capture_output=True, text=True,
+        timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("  -> built-in:echo")]
+    assert '"a\\u202eb\\u009bc"' in line, line
+    assert re.search(rf"… \(\d+ more characters: `toolbus replay {sid}` shows them\)$",
+                     line), line
+    for bad in ("\u202e", "\u009b"):
+        assert bad not in out.stderr
+
+
 async def test_a_turn_waiting_for_a_human_is_cancelled_from_another_process(
         bus: Bus, system: dict[str, Any], client: ToolbusClient, model: ScriptedChat,
         sid: str, nats_url: str) -> None:
