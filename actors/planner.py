@@ -2080,7 +2080,9 @@ class Planner:
             output_tokens=reply.usage.output_tokens, latency_ms=float(reply.latency_ms),
             response_id=reply.response_id, purpose=asked.purpose, step=asked.step,
             round=asked.round, output=output, violations=violations)
-        item = Append(answer, model_responded_id(sid, turn.turn_id, asked.iteration))
+        # A fact: stored even if the check fails, and never after what follows from it.
+        item = Append(answer, model_responded_id(sid, turn.turn_id, asked.iteration),
+                      fact=True)
         # What the answer makes due, decided on the state as it will be once the answer
         # is stored (a copy: this state changes only when the store succeeds), and stored
         # with it: one round trip instead of two, and the calls it dispatches no hop
@@ -2113,8 +2115,9 @@ class Planner:
                                   "length with agent_config.model.max_tokens")
             return []
         except ConcurrencyError:
-            # Something was stored during the call (a tool event): the answer is kept,
-            # and what it makes due decided again on the log as it is.
+            # Something was stored during the call (a tool event): the answer is kept
+            # (stored already, ahead of what was pipelined behind it, on a single
+            # server), and what it makes due decided again on the log as it is.
             await self._kernel.log.append(item)
             await self._states.reread(entry)
             return []

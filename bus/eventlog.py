@@ -52,6 +52,8 @@ _NUM_PENDING = Header.NUM_PENDING.value
 _BATCH_ID = Header.BATCH_ID.value
 _BATCH_SEQUENCE = Header.BATCH_SEQUENCE.value
 _BATCH_COMMIT = Header.BATCH_COMMIT.value
+_CHECK_HEADERS = (Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value,
+                  Header.EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT.value)
 # The largest decision stored as one atomic batch (nats-server's default
 # `max_batch_size` is 1,000 messages); a larger one is stored event by event.
 _MAX_BATCH = 1000
@@ -68,6 +70,10 @@ class Append:
     # `turn.cancelled` is still at this sequence (0: none), so that a decision taken on a
     # state a cancellation has overtaken stores none of its calls (see `append_decision`).
     unless_cancelled_after: int | None = None
+    # The first event of a decision: a fact its writer stores even when the concurrency
+    # check fails (a model's answer), so that the events pipelined behind it, which
+    # follow from it, are never stored without it (see `append_decision`).
+    fact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,16 +372,32 @@ class EventLog:
                                       headers=extra)
                     for item, expect, subject, extra
                     in zip(items, expects, subjects, more, strict=True)]
-        pending = [await self._send(item, one, expect, extra, subject)
-                   for item, one, expect, subject, extra
-                   in zip(items, prepared, expects, subjects, more, strict=True)]
+        pending: list[Callable[[], Awaitable[AppendResult]]] = []
+        again: Callable[[], Awaitable[AppendResult]] | None = None
+        for i, (item, one, expect, subject, extra) in enumerate(
+                zip(items, prepared, expects, subjects, more, strict=True)):
+            pending.append(await self._send(item, one, expect, extra, subject))
+            if i == 0 and item.fact and len(items) > 1:
+                # Sent again, unchecked, right behind itself under the same message id: a
+                # duplicate when the check passed, else stored there, ahead of the rest.
+                # Without it, a writer killed after a failed check, before its own append
+                # of the fact (the planner's `_finish`), left what follows from the fact
+                # stored without it: a turn completed, or calls run, with no answer.
+                to, payload, hdrs = one
+                unchecked = {k: v for k, v in hdrs.items() if k not in _CHECK_HEADERS}
+                again = await self._send(item, (to, payload, unchecked), None, extra)
         results: list[AppendResult] = []
         failure: AppendError | None = None
-        for result in pending:
+        for i, result in enumerate(pending):
             try:
                 results.append(await result())
             except AppendError as exc:  # ConcurrencyError included: raised after the rest
                 failure = failure or exc
+            if i == 0 and again is not None:
+                try:
+                    await again()  # its result is the first's (or the one stored)
+                except AppendError as exc:
+                    failure = failure or exc
         if failure is not None:
             raise failure
         return results

@@ -990,6 +990,45 @@ async def test_a_planner_killed_after_the_answer_is_stored_never_asks_again(
     assert (tmp_path / "log").read_text() == "y\n"
 
 
+async def test_an_answer_whose_check_fails_is_stored_before_what_it_made_due(
+        bus: Bus, client: ToolbusClient, planner: Planner, model: ScriptedChat, sid: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message sent while the model answers the one before makes the answer's
+    concurrency check fail. The turn's end, pipelined behind the answer, was stored all
+    the same, and the answer only after, by an append of its own: a planner killed in
+    between (tests/actors/test_planner_chaos.py found one) left the turn completed and
+    its answer lost for good (or the calls an answer makes due run, no answer naming
+    them). Here the planner is held where it would die."""
+    model.script = [(200, reply("First answer."), 1), (200, reply("Second answer."))]
+    model.asked.clear()
+    log = planner.kernel.log
+    append = log.append
+    held, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held_before_the_answer(item: Any, **kwargs: Any) -> Any:
+        if isinstance(item.event, ModelResponded):
+            held.set()
+            await go_on.wait()
+        return await append(item, **kwargs)
+
+    monkeypatch.setattr(log, "append", held_before_the_answer)
+    first = asyncio.create_task(client.ask(sid, "First question.", request_id="q1",
+                                           timeout=30))
+    await asyncio.wait_for(model.asked.wait(), 15)
+    second = asyncio.create_task(client.ask(sid, "Second question.", request_id="q2",
+                                            timeout=30))
+    await asyncio.wait_for(held.wait(), 15)  # the check failed; the rest was sent
+    events = [(s.seq, s.event) for s in await EventLog(bus).read_session(sid)]
+    go_on.set()
+    answered = [seq for seq, e in events if isinstance(e, ModelResponded)]
+    ended = [seq for seq, e in events if isinstance(e, TurnCompleted)]
+    assert answered and all(seq > answered[0] for seq in ended), events
+    one, two = await asyncio.wait_for(asyncio.gather(first, second), 30)
+    assert isinstance(one, TurnCompleted) and one.text == "First answer.", one
+    assert isinstance(two, TurnCompleted) and two.text == "Second answer.", two
+    assert len(model.received) == 2  # the first question was not asked again
+
+
 async def test_toolbus_chat_streams_the_answer_and_shows_each_call(
         planner: Planner, model: ScriptedChat, sid: str, nats_url: str) -> None:
     model.script = [(200, reply(calls=[("e1", "built-in__echo", {"text": "a"})])),
