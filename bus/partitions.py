@@ -49,6 +49,14 @@ log = logging.getLogger("toolbus.partitions")
 OnChange = Callable[[int], Awaitable[None]]
 
 
+# A lease `create` refused because the key exists. nats-py then reads the key to tell a
+# deleted one from a live one, and a lease that expired in between (its TTL) makes that
+# read raise KeyNotFoundError instead: it was held a moment ago, and is taken as held
+# (free, it is taken next round). Uncaught, it ended the first round, and with it the
+# start of a process that came up as another's lease expired (the chaos test).
+_HELD = (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError)
+
+
 def member_name() -> str:
     """A name for this process among the members of a group: host, pid and a few random
     characters (two members in one process stay apart)."""
@@ -181,7 +189,7 @@ class PartitionOwner:
             sent = time.monotonic()
             try:
                 revision = await kv.create(self._lease(part), self._instance.encode())
-            except nats.js.errors.KeyWrongLastSequenceError:
+            except _HELD:
                 continue  # held by another member
             self.owned[part] = revision
             self._sure_until[part] = sent + LEASE_TTL_S
@@ -211,7 +219,7 @@ class PartitionOwner:
             log.warning("%s %s: lease of partition %d expired; taken again",
                         self._group, self._instance, part)
             return
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except _HELD:
             pass  # another member holds it now
         log.warning("%s %s: lost partition %d", self._group, self._instance, part)
         self.owned.pop(part, None)

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import nats.js.errors
+import nats.js.kv
 
 from bus.client import ToolbusClient
 from bus.connection import Bus, connect
@@ -74,6 +75,33 @@ async def test_members_share_the_partitions_and_take_over_those_of_a_dead_one(
     except nats.js.errors.NoKeysError:
         keys = []
     assert not [k for k in keys if k.startswith(f"{group}.")], keys
+
+
+async def test_a_member_starting_as_a_lease_expires_under_its_take_starts(
+        bus: Bus, monkeypatch: Any) -> None:
+    """nats-py's `create` of a key that exists reads it back to tell a deleted one; a
+    lease that expired in between made that read raise KeyNotFoundError, which ended the
+    new member's first round and its process's start (found by killing `toolbus up`
+    processes: tests/actors/test_planner_chaos.py). Here the lease's message is removed,
+    as its TTL does, right before that read."""
+    group = f"t-{uuid.uuid4().hex[:8]}"
+    a, b = _Member(bus, group, "a", 1), _Member(bus, group, "b", 1)
+    await a.owner.start()
+    read = nats.js.kv.KeyValue._get
+
+    async def expiring(kv: Any, key: str, revision: int | None = None) -> Any:
+        if key == f"{group}.p0":
+            await bus.js.purge_stream(f"KV_{LEASES_BUCKET}",
+                                      subject=f"$KV.{LEASES_BUCKET}.{key}")
+        return await read(kv, key, revision)
+
+    monkeypatch.setattr(nats.js.kv.KeyValue, "_get", expiring)
+    try:
+        await b.owner.start()  # raised KeyNotFoundError
+    finally:
+        monkeypatch.undo()
+        await b.owner.stop()
+        await a.owner.stop()
 
 
 async def test_lease_rounds_leave_no_consumer_behind(bus: Bus) -> None:

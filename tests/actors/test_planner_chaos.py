@@ -174,7 +174,9 @@ class Fleet:
                 if _LOGGED.match(line) or not records:
                     records.append([])
                 records[-1].append(line.rstrip())
-            found += [f"pid {proc.pid}: " + "\n".join(r[:40]) for r in records
+            found += [f"pid {proc.pid}: " + "\n".join(r if len(r) <= 40 else
+                                                      [*r[:5], "...", *r[-30:]])
+                      for r in records
                       if " ERROR " in r[0] or any(x.startswith("Traceback") for x in r)]
         return found
 
