@@ -194,6 +194,8 @@ class _Watcher:
 
 # How long a request is published again while a cluster elects a stream leader.
 _FAILOVER_S = 15.0
+# "duplicate message id is in process": a copy sent earlier is still being stored.
+_IN_PROCESS = 10158
 # How often a caller waiting for a turn's end looks whether its connection broke.
 _RECONNECT_CHECK_S = 0.5
 # A caller waiting for a turn gives up this long after its connection went away for good.
@@ -500,6 +502,14 @@ class ToolbusClient:
                 ack = await apart(self.bus.js.publish(request_subject(session_id), body,
                                                       timeout=5.0, headers=headers))
                 break
+            except nats.js.errors.APIError as exc:
+                # The same request sent again while the stream is still storing the first
+                # (a leader change): asked again, to learn how that one ended.
+                if exc.err_code == _IN_PROCESS and loop.time() < deadline:
+                    await asyncio.sleep(0.25)
+                    continue
+                raise BusError(f"the requests stream on {self.bus.url} refused the "
+                               f"request: {exc.description} (code {exc.err_code})") from exc
             except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
                     nats.errors.TimeoutError) as exc:
                 if loop.time() < deadline:
