@@ -201,10 +201,6 @@ class _Publisher:
             raise _UnavailableError(subject)
         return _ack_decoder.decode(msg.data)
 
-    async def publish(self, subject: str, payload: bytes, headers: dict[str, str],
-                      timeout: float) -> _PubAck:
-        return await self.wait(subject, await self.send(subject, payload, headers), timeout)
-
 
 class EventLog:
     def __init__(self, bus: Bus, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
@@ -264,27 +260,35 @@ class EventLog:
         (`EventTooLargeError`).
         """
         subject, payload, hdrs = self._prepare(item, expect_last, expect_subject, headers)
+        # An earlier attempt of this very message still being stored (a cluster between
+        # leaders) is asked about again, to learn its sequence.
+        ack = await self._acknowledged(
+            subject, lambda: self._pub.send(subject, payload, hdrs), in_process_again=True)
+        result = self._result(subject, ack, expect_last)
+        if self.observer is not None and not result.duplicate:
+            self.observer(item.event, result)
+        return result
+
+    async def _acknowledged(
+            self, subject: str, send: Callable[[], Awaitable[tuple[str, asyncio.Future[Msg]]]],
+            *, in_process_again: bool) -> _PubAck:
+        """The acknowledgement of what `send` publishes, sent again after a timeout or a
+        503 (and, with `in_process_again`, after "duplicate message id is in process")
+        over at least 15 s of backoff."""
         delay = 0.05
         last_error: Exception | None = None
         for _ in range(_APPEND_ATTEMPTS):
             try:
-                ack = await self._pub.publish(subject, payload, hdrs, _APPEND_TIMEOUT_S)
+                ack = await self._pub.wait(subject, await send(), _APPEND_TIMEOUT_S)
             except _RETRYABLE as exc:
                 last_error = exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            if ack.error is not None and int(ack.error.get("err_code", 0)) == _IN_PROCESS:
-                # An earlier attempt of this very message is still being stored (a
-                # cluster between leaders): ask again, and learn its sequence.
+            else:
+                if not (in_process_again and ack.error is not None
+                        and int(ack.error.get("err_code", 0)) == _IN_PROCESS):
+                    return ack
                 last_error = AppendError(subject, str(ack.error.get("description", "")))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            result = self._result(subject, ack, expect_last)
-            if self.observer is not None and not result.duplicate:
-                self.observer(item.event, result)
-            return result
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
         raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
                                    f"{type(last_error).__name__}: {last_error}")
 
@@ -413,39 +417,28 @@ class EventLog:
         acknowledgement was lost is then refused as holding stored message ids (None),
         and the event-by-event store finds each of them stored, with its sequence."""
         subject = prepared[0][0]
-        delay = 0.05
-        last_error: Exception | None = None
-        for _ in range(_APPEND_ATTEMPTS):
-            try:
-                ack = await self._pub.wait(subject, await self._pub.send_batch(prepared),
-                                           _APPEND_TIMEOUT_S)
-            except _RETRYABLE as exc:
-                last_error = exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            if ack.error is not None:
-                code = int(ack.error.get("err_code", 0))
-                description = str(ack.error.get("description", ""))
-                if code == _WRONG_LAST_SEQUENCE:
-                    raise ConcurrencyError(subject, expect_last or 0, description)
-                if code == _IN_PROCESS or description.startswith(_BATCH_REFUSED):
-                    # Stored ids among them, too many batches in flight on the stream,
-                    # batches turned off since: stored one by one instead.
-                    return None
-                raise AppendError(subject, f"{description} (code {code})")
-            if ack.count != len(items):
-                raise AppendError(subject, f"an atomic batch of {len(items)} events was "
-                                           f"stored as {ack.count}")
-            # A batch is stored at consecutive sequences, its commit last.
-            first = ack.seq - len(items) + 1
-            results = [AppendResult(first + i, False) for i in range(len(items))]
-            if self.observer is not None:
-                for item, result in zip(items, results, strict=True):
-                    self.observer(item.event, result)
-            return results
-        raise AppendError(subject, f"no acknowledgement after {_APPEND_ATTEMPTS} attempts: "
-                                   f"{type(last_error).__name__}: {last_error}")
+        ack = await self._acknowledged(subject, lambda: self._pub.send_batch(prepared),
+                                       in_process_again=False)
+        if ack.error is not None:
+            code = int(ack.error.get("err_code", 0))
+            description = str(ack.error.get("description", ""))
+            if code == _WRONG_LAST_SEQUENCE:
+                raise ConcurrencyError(subject, expect_last or 0, description)
+            if code == _IN_PROCESS or description.startswith(_BATCH_REFUSED):
+                # Stored ids among them, too many batches in flight on the stream,
+                # batches turned off since: stored one by one instead.
+                return None
+            raise AppendError(subject, f"{description} (code {code})")
+        if ack.count != len(items):
+            raise AppendError(subject, f"an atomic batch of {len(items)} events was "
+                                       f"stored as {ack.count}")
+        # A batch is stored at consecutive sequences, its commit last.
+        first = ack.seq - len(items) + 1
+        results = [AppendResult(first + i, False) for i in range(len(items))]
+        if self.observer is not None:
+            for item, result in zip(items, results, strict=True):
+                self.observer(item.event, result)
+        return results
 
     async def read_session(
         self,
